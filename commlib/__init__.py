@@ -1,0 +1,67 @@
+"""commlib: collective communication for numpy, cupy and torch arrays.
+
+``import commlib as dist`` is a drop-in for torch.distributed's functional API:
+same names, arguments and defaults, in-place results, ``async_op=True`` returns
+a :class:`Work`. Any call before :func:`init_process_group` joins the default
+group from the launcher's environment (``mpiexec``, ``srun``, ``commlib.launch``).
+"""
+
+from __future__ import annotations
+
+from commlib import env
+from commlib._barrier import barrier, monitored_barrier
+from commlib._collectives import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    broadcast,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+)
+from commlib._composed import all_to_all, all_to_all_single, gather, scatter
+from commlib._group import ProcessGroup, Work
+from commlib._objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
+from commlib._ops import ReduceOp
+from commlib._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from commlib._world import (
+    destroy_process_group,
+    get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    is_initialized,
+    new_group,
+)
+from commlib.errors import BackendUnavailableError, CommError, CommTimeoutError, GroupBrokenError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError", "CommError", "CommTimeoutError", "GroupBrokenError", "P2POp", "ProcessGroup",
+    "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",
+    "destroy_process_group", "env", "gather", "gather_object", "get_backend", "get_global_rank", "get_group_rank",
+    "get_rank", "get_world_size", "init_process_group", "irecv", "is_available", "is_initialized",
+    "is_mpi_available", "is_nccl_available", "isend", "monitored_barrier", "new_group", "recv", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+]  # fmt: skip
+
+
+def is_available() -> bool:
+    """True: commlib is always usable (at worst as a single process)."""
+    return True
+
+
+def is_mpi_available() -> bool:
+    """True when mpi4py and an MPI library can be loaded."""
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def is_nccl_available() -> bool:
+    """True when the nccl backend can run here (it arrives with the NCCL backend; False in this build)."""
+    return False

@@ -1,0 +1,160 @@
+"""The collectives on tensors, with torch.distributed's signatures (validation, then one backend call)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from commlib._arrays import check_op, host_array, same_kind
+from commlib._group import ProcessGroup, Work
+from commlib._ops import ReduceOp, as_reduce_op
+from commlib._world import resolve
+from commlib.backends._base import Chained
+
+__all__ = [
+    "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "root_rank", "check_list",
+]  # fmt: skip
+
+
+def _op(op: Any, dtype: np.dtype, g: ProcessGroup, call: str) -> ReduceOp:
+    if type(op) is not ReduceOp:
+        op = as_reduce_op(op, f"{g.label}{call}")
+    check_op(op, dtype, g, call)
+    return op
+
+
+def root_rank(g: ProcessGroup, call: str, rank: Any, group_rank: Any, arg: str, default: int | None = None) -> int:
+    """The group rank named by a global ``rank`` or by ``group_rank`` (torch's src/group_src pairs)."""
+    if group_rank is not None:
+        if rank is not None:
+            raise ValueError(f"{g.label}{call}: give {arg} (a global rank) or group_{arg}, not both")
+        return g.check_group_rank(group_rank, call, f"group_{arg}")
+    if rank is None:
+        if default is None:
+            raise ValueError(f"{g.label}{call}: {arg} is required (the global rank); or pass group_{arg}")
+        rank = default
+    return g.group_rank(rank, call, arg)
+
+
+def _is_chunk(part: np.ndarray, whole: np.ndarray, index: int) -> bool:
+    start = whole.__array_interface__["data"][0] + index * part.nbytes
+    return part.__array_interface__["data"][0] == start and part.size * (index + 1) <= whole.size
+
+
+def _check_count(g: ProcessGroup, call: str, arg: str, a: np.ndarray, n: int, each: int) -> None:
+    if a.size != n * each:
+        raise ValueError(f"{g.label}{call}: {arg} must have {n}*{each}={n * each} elements, got {a.size}")
+
+
+def check_list(
+    g: ProcessGroup, call: str, arg: str, items: Any, like: np.ndarray, writable: bool, count: int | None = None
+) -> list[np.ndarray]:
+    """Validate a list of ``g.size`` arrays with ``like``'s dtype and size (``count`` elements if given)."""
+    if not isinstance(items, (list, tuple)):
+        raise TypeError(f"{g.label}{call}: {arg} must be a list of {g.size} tensors, got {type(items).__name__}")
+    if len(items) != g.size:
+        raise ValueError(f"{g.label}{call}: {arg} must hold one tensor per rank ({g.size}), got {len(items)}")
+    out = []
+    for i, item in enumerate(items):
+        a = host_array(item, g, call, f"{arg}[{i}]", writable)
+        same_kind(a, like, g, call, f"{arg}[{i}]", "tensor")
+        if count is not None and a.size != count:
+            raise ValueError(f"{g.label}{call}: {arg}[{i}] must have {count} elements like the tensor, got {a.size}")
+        out.append(a)
+    return out
+
+
+def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across the group; every rank gets the result in place."""
+    g = resolve(group, "all_reduce")
+    a = host_array(tensor, g, "all_reduce", "tensor")
+    if op is not ReduceOp.SUM:  # SUM is defined for every dtype; skip the check on the hot path
+        op = _op(op, a.dtype, g, "all_reduce")
+    return g.run(g.backend.all_reduce(a, a, op), "all_reduce", async_op)
+
+
+def broadcast(
+    tensor: Any, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:  # fmt: skip
+    """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
+    g = resolve(group, "broadcast")
+    a = host_array(tensor, g, "broadcast", "tensor")
+    root = root_rank(g, "broadcast", src, group_src, "src")
+    return g.run(g.backend.broadcast(a, root), "broadcast", async_op)
+
+
+def reduce(
+    tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+    async_op: bool = False, group_dst: int | None = None,
+) -> Work | None:  # fmt: skip
+    """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
+    g = resolve(group, "reduce")
+    a = host_array(tensor, g, "reduce", "tensor")
+    op = _op(op, a.dtype, g, "reduce")
+    root = root_rank(g, "reduce", dst, group_dst, "dst")
+    return g.run(g.backend.reduce(a, a, op, root), "reduce", async_op)
+
+
+def all_gather_into_tensor(
+    output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
+    call = "all_gather_into_tensor"
+    g = resolve(group, call)
+    out = host_array(output_tensor, g, call, "output_tensor")
+    inp = host_array(input_tensor, g, call, "input_tensor", writable=False)
+    same_kind(out, inp, g, call, "output_tensor", "input_tensor")
+    _check_count(g, call, "output_tensor", out, g.size, inp.size)
+    send: np.ndarray | None = inp
+    if np.may_share_memory(out, inp):
+        send = None if _is_chunk(inp, out, g.rank) else inp.copy()
+    return g.run(g.backend.all_gather(send, out), call, async_op)
+
+
+def all_gather(tensor_list: list, tensor: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Gather every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
+    call = "all_gather"
+    g = resolve(group, call)
+    inp = host_array(tensor, g, call, "tensor", writable=False)
+    outs = check_list(g, call, "tensor_list", tensor_list, inp, writable=True, count=inp.size)
+    flat = np.empty(g.size * inp.size, inp.dtype)
+    handle = g.backend.all_gather(inp, flat)
+    return g.run(Chained(handle, lambda: _unpack(flat, outs)), call, async_op)
+
+
+def _unpack(flat: np.ndarray, outs: list[np.ndarray]) -> None:
+    k = outs[0].size if outs else 0
+    for i, a in enumerate(outs):
+        a[...] = flat[i * k : (i + 1) * k].reshape(a.shape)
+
+
+def reduce_scatter_tensor(
+    output: Any, input: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
+    call = "reduce_scatter_tensor"
+    g = resolve(group, call)
+    out = host_array(output, g, call, "output")
+    inp = host_array(input, g, call, "input", writable=False)
+    same_kind(out, inp, g, call, "output", "input")
+    _check_count(g, call, "input", inp, g.size, out.size)
+    op = _op(op, out.dtype, g, call)
+    if np.may_share_memory(out, inp):
+        inp = inp.copy()  # MPI reduces in place only at offset 0; a copy keeps any aliasing correct
+    return g.run(g.backend.reduce_scatter(inp, out, op), call, async_op)
+
+
+def reduce_scatter(
+    output: Any, input_list: list, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
+    """Reduce ``input_list[i]`` across the group into rank i's ``output``."""
+    call = "reduce_scatter"
+    g = resolve(group, call)
+    out = host_array(output, g, call, "output")
+    ins = check_list(g, call, "input_list", input_list, out, writable=False, count=out.size)
+    op = _op(op, out.dtype, g, call)
+    send = np.concatenate([a.reshape(-1) for a in ins]) if ins else np.empty(0, out.dtype)
+    return g.run(g.backend.reduce_scatter(send, out, op), call, async_op)

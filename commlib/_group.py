@@ -1,0 +1,195 @@
+"""Process groups, their state (sequence numbers, pending work, broken), and ``Work`` handles."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+from typing import Any
+
+from commlib.errors import CommError, CommTimeoutError, GroupBrokenError
+
+__all__ = ["ProcessGroup", "Work", "as_seconds"]
+
+
+def as_seconds(timeout: object, where: str) -> float:
+    """A timeout given as ``datetime.timedelta`` or seconds, as positive float seconds."""
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{where}: timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"{where}: timeout must be positive, got {seconds} s")
+    return seconds
+
+
+class ProcessGroup:
+    """A set of ranks that communicate together: the world, or what ``new_group`` returns."""
+
+    __slots__ = ("backend", "ranks", "rank", "size", "name", "timeout", "label", "seq", "_pending", "broken")
+
+    def __init__(self, backend: Any, ranks: list[int], rank: int, name: str, timeout: float, label: str) -> None:
+        self.backend = backend  # None on ranks outside the group
+        self.ranks = ranks  # global ranks, indexed by group rank
+        self.rank = rank  # this process's rank in the group, -1 when not a member
+        self.size = len(ranks)
+        self.name = name
+        self.timeout = timeout
+        self.label = label  # "[rank 2/4] ": prefixes every message this group raises
+        self.seq = 0  # collectives issued so far, for error messages
+        self._pending: collections.deque[Work] = collections.deque()
+        self.broken: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name if self.backend is not None else "none"
+
+    def run(self, handle: Any, call: str, async_op: bool) -> Work | None:
+        """Finish issuing a collective: return a Work, or wait for it with the group's timeout."""
+        self.seq += 1
+        if async_op:
+            work = Work(self, handle, call, self.seq)
+            self._pending.append(work)
+            return work
+        if self._pending:
+            self.drain(None, self.timeout)
+        if not handle.wait(self.timeout):
+            self.fail_timeout(call, self.seq, self.timeout)
+        return None
+
+    def drain(self, upto: Work | None, timeout: float) -> None:
+        """Complete pending collectives in issue order, up to and including ``upto`` (all when None)."""
+        pending = self._pending
+        while pending:
+            work = pending[0]
+            if not work.handle.wait(timeout):
+                self.fail_timeout(work.call, work.seq, timeout)
+            work.done = True
+            pending.popleft()
+            if work is upto:
+                return
+
+    def test_upto(self, upto: Work) -> bool:
+        """Complete, without blocking, the pending collectives that are done, in issue order."""
+        pending = self._pending
+        while pending:
+            work = pending[0]
+            if not work.handle.test():
+                return False
+            work.done = True
+            pending.popleft()
+            if work is upto:
+                return True
+        return upto.done
+
+    def fail_timeout(self, call: str, seq: int, timeout: float) -> None:
+        """Mark the group broken and raise the ``CommTimeoutError`` that says what was waited for."""
+        err = CommTimeoutError(
+            f"{self.label}{call} (call #{seq} on group {self.name!r}, ranks {_ranks(self.ranks)}) did not complete "
+            f"within {timeout:g} s: a peer rank did not make the matching call (it may have failed, be stuck, "
+            f"or be making a different call); the group is now unusable"
+        )
+        self.mark_broken(err)
+        raise err
+
+    def mark_broken(self, err: BaseException) -> None:
+        """Fence the group off: every later call on it raises ``GroupBrokenError`` from ``err``."""
+        if self.broken is None:
+            self.broken = err
+            if self.backend is not None:
+                self.backend.abort()
+
+    def refuse(self, call: str) -> None:
+        """Raise the error for a call on a group that cannot take it (broken, or not a member)."""
+        if self.broken is not None:
+            raise GroupBrokenError(
+                f"{self.label}{call}: group {self.name!r} failed earlier and cannot be used: {self.broken}"
+            ) from self.broken
+        if self.rank < 0:
+            raise ValueError(
+                f"{self.label}{call}: this rank is not a member of group {self.name!r} (ranks {_ranks(self.ranks)})"
+            )
+        raise CommError(f"{self.label}{call}: group {self.name!r} has been destroyed")
+
+    def group_rank(self, global_rank: int, where: str, arg: str) -> int:
+        """The group rank of ``global_rank``; ``ValueError`` when it is not in the group."""
+        if isinstance(global_rank, bool) or not isinstance(global_rank, int):
+            raise TypeError(f"{self.label}{where}: {arg} must be an int rank, got {global_rank!r}")
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(
+                f"{self.label}{where}: {arg}={global_rank} is not a rank of group {self.name!r} "
+                f"(ranks {_ranks(self.ranks)})"
+            ) from None
+
+    def check_group_rank(self, group_rank: int, where: str, arg: str) -> int:
+        """``group_rank`` itself when it is a valid rank of this group."""
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int):
+            raise TypeError(f"{self.label}{where}: {arg} must be an int rank, got {group_rank!r}")
+        if not 0 <= group_rank < self.size:
+            raise ValueError(f"{self.label}{where}: {arg}={group_rank} is out of range for a group of size {self.size}")
+        return group_rank
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}..{ranks[-1]}"
+    return str(ranks)
+
+
+class Work:
+    """The handle of an ``async_op=True`` call: ``wait()`` for it, or poll ``is_completed()``.
+
+    Collectives on one group complete in issue order: waiting on a Work also
+    completes every earlier collective Work of the same group. Point-to-point
+    Work is not ordered with collectives (like gloo, unlike one NCCL stream).
+    """
+
+    __slots__ = ("group", "handle", "call", "seq", "ordered", "done")
+
+    def __init__(self, group: ProcessGroup, handle: Any, call: str, seq: int, ordered: bool = True) -> None:
+        self.group = group
+        self.handle = handle
+        self.call = call
+        self.seq = seq
+        self.ordered = ordered
+        self.done = False
+
+    def __repr__(self) -> str:
+        state = "completed" if self.done else "pending"
+        return f"<Work {self.call} #{self.seq} {state}>"
+
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
+        """Block until the operation is complete (True); raise ``CommTimeoutError`` after ``timeout``."""
+        if self.done:
+            return True
+        group = self.group
+        seconds = group.timeout if timeout is None else as_seconds(timeout, f"{self.call} Work.wait")
+        if group.broken is not None:
+            group.refuse(self.call)
+        if self.ordered:
+            group.drain(self, seconds)
+        elif self.handle.wait(seconds):
+            self.done = True
+        else:
+            group.fail_timeout(self.call, self.seq, seconds)
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the operation is complete; never blocks."""
+        if not self.done:
+            self.done = self.group.test_upto(self) if self.ordered else self.handle.test()
+        return self.done
+
+    def source_rank(self) -> int:
+        """For ``irecv(src=None)``: the global rank the message came from (waits first)."""
+        self.wait()
+        source = getattr(self.handle, "source", None)
+        if source is None:
+            raise ValueError(f"{self.group.label}{self.call}: source_rank() is only defined for receives")
+        return self.group.ranks[source]

@@ -1,0 +1,120 @@
+"""Object collectives: pickled Python objects moved as uint8 tensors.
+
+Like torch.distributed's, these unpickle what peers of the same job send:
+use them only among ranks you trust. (The rendezvous store, which faces the
+network, never unpickles.)
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from commlib._collectives import root_rank
+from commlib._composed import gather_handle, scatter_handle
+from commlib._group import ProcessGroup
+from commlib._world import resolve
+
+__all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
+
+_U8, _I64 = np.dtype(np.uint8), np.dtype(np.int64)
+
+
+def _dump(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), _U8)
+
+
+def _load(a: np.ndarray) -> Any:
+    return pickle.loads(a.tobytes())
+
+
+def _run(g: ProcessGroup, handle: Any, call: str) -> None:
+    g.run(handle, call, False)
+
+
+def _padded(chunks: list[np.ndarray], width: int) -> np.ndarray:
+    out = np.zeros(len(chunks) * width, _U8)
+    for i, c in enumerate(chunks):
+        out[i * width : i * width + c.size] = c
+    return out
+
+
+def _check_list(g: ProcessGroup, call: str, arg: str, value: Any, size: int | None) -> None:
+    if not isinstance(value, list):
+        raise TypeError(f"{g.label}{call}: {arg} must be a list, got {type(value).__name__}")
+    if size is not None and len(value) != size:
+        raise ValueError(f"{g.label}{call}: {arg} must have one entry per rank ({size}), got {len(value)}")
+
+
+def all_gather_object(object_list: list, obj: Any, group: ProcessGroup | None = None) -> None:
+    """Gather a picklable ``obj`` from every rank into ``object_list`` (length: group size) on every rank."""
+    call = "all_gather_object"
+    g = resolve(group, call)
+    _check_list(g, call, "object_list", object_list, g.size)
+    data = _dump(obj)
+    sizes = np.zeros(g.size, _I64)
+    _run(g, g.backend.all_gather(np.array([data.size], _I64), sizes), call)
+    width = int(sizes.max())
+    out = np.empty(g.size * width, _U8)
+    _run(g, g.backend.all_gather(_padded([data], width), out), call)
+    object_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
+
+
+def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | None = None,
+                  group: ProcessGroup | None = None, group_dst: int | None = None) -> None:  # fmt: skip
+    """Gather a picklable ``obj`` from every rank into ``object_gather_list`` on rank ``dst`` (default 0)."""
+    call = "gather_object"
+    g = resolve(group, call)
+    root = root_rank(g, call, dst, group_dst, "dst", default=0)
+    if g.rank == root:
+        _check_list(g, call, "object_gather_list", object_gather_list, g.size)
+    data = _dump(obj)
+    sizes = np.zeros(g.size, _I64)
+    _run(g, g.backend.all_gather(np.array([data.size], _I64), sizes), call)
+    width = int(sizes.max())
+    out = np.empty(g.size * width, _U8) if g.rank == root else None
+    _run(g, gather_handle(g, _padded([data], width), out, root), call)
+    if out is not None:
+        object_gather_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
+
+
+def broadcast_object_list(object_list: list, src: int | None = None, group: ProcessGroup | None = None,
+                          device: Any = None, group_src: int | None = None) -> None:  # fmt: skip
+    """Replace ``object_list``'s entries on every rank with rank ``src``'s (lists of equal length)."""
+    call = "broadcast_object_list"
+    g = resolve(group, call)
+    _check_list(g, call, "object_list", object_list, None)
+    root = root_rank(g, call, src, group_src, "src")
+    mine = g.rank == root
+    chunks = [_dump(o) for o in object_list] if mine else []
+    sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(len(object_list), _I64)
+    _run(g, g.backend.broadcast(sizes, root), call)
+    payload = np.concatenate(chunks) if mine and chunks else np.empty(int(sizes.sum()), _U8)
+    _run(g, g.backend.broadcast(payload, root), call)
+    if not mine:
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        object_list[:] = [_load(payload[starts[i] : starts[i + 1]]) for i in range(len(sizes))]
+
+
+def scatter_object_list(scatter_object_output_list: list, scatter_object_input_list: list | None = None,
+                        src: int | None = None, group: ProcessGroup | None = None,
+                        group_src: int | None = None) -> None:  # fmt: skip
+    """Send ``scatter_object_input_list[i]`` from rank ``src`` (default 0) into rank i's output list[0]."""
+    call = "scatter_object_list"
+    g = resolve(group, call)
+    out_list = scatter_object_output_list
+    if not isinstance(out_list, list) or not out_list:
+        raise ValueError(f"{g.label}{call}: scatter_object_output_list must be a non-empty list, got {out_list!r}")
+    root = root_rank(g, call, src, group_src, "src", default=0)
+    mine = g.rank == root
+    if mine:
+        _check_list(g, call, "scatter_object_input_list", scatter_object_input_list, g.size)
+    chunks = [_dump(o) for o in scatter_object_input_list] if mine else []
+    sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(g.size, _I64)
+    _run(g, g.backend.broadcast(sizes, root), call)
+    width = int(sizes.max())
+    recv = np.empty(width, _U8)
+    _run(g, scatter_handle(g, _padded(chunks, width) if mine else None, recv, root), call)
+    out_list[0] = _load(recv[: int(sizes[g.rank])])

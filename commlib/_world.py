@@ -1,0 +1,224 @@
+"""The default group: initialisation (explicit or implicit), sub-groups, rank queries, teardown."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from commlib._environment import LaunchInfo, detect
+from commlib._group import ProcessGroup, as_seconds
+from commlib.errors import BackendUnavailableError, CommTimeoutError
+
+__all__ = [
+    "DEFAULT_TIMEOUT", "destroy_process_group", "get_backend", "get_global_rank", "get_group_rank", "get_rank",
+    "get_world_size", "init_process_group", "is_initialized", "launch_info", "new_group", "resolve",
+]  # fmt: skip
+
+#: torch's defaults: 10 minutes for nccl, 30 minutes for everything else (seconds).
+DEFAULT_TIMEOUT = {"nccl": 600.0, "mpi": 1800.0}
+_BACKEND_ALIASES = {"mpi": "mpi", "gloo": "mpi", "cpu": "mpi", "nccl": "nccl"}
+_INIT_SCHEMES = ("env://", "tcp://", "file://")
+
+
+class _State:
+    world: ProcessGroup | None = None
+    implicit = False  # the world was created by the first API call, not by init_process_group
+    groups: list[ProcessGroup] = []
+    info: LaunchInfo | None = None
+
+
+_state = _State()
+
+
+def launch_info() -> LaunchInfo:
+    """This process's place in the job, as the launcher's environment describes it (cached)."""
+    if _state.info is None:
+        _state.info = detect()
+    return _state.info
+
+
+def _choose_backend(backend: str | None) -> str:
+    if backend is None or str(backend).lower() == "auto":
+        return "mpi"  # nccl becomes the automatic choice when a usable GPU is found (NCCL backend issue)
+    if not isinstance(backend, str) or backend.lower() not in _BACKEND_ALIASES:
+        raise ValueError(f"init_process_group: backend must be one of 'mpi', 'gloo', 'nccl', 'auto', got {backend!r}")
+    name = _BACKEND_ALIASES[backend.lower()]
+    if name == "nccl":
+        raise BackendUnavailableError(
+            "init_process_group: backend 'nccl' is not available in this build of commlib yet; "
+            "use backend='mpi' (host arrays) or leave backend unset"
+        )
+    return name
+
+
+def _default_timeout(name: str) -> float:
+    env = os.environ.get("COMMLIB_TIMEOUT")
+    return as_seconds(float(env), "COMMLIB_TIMEOUT") if env else DEFAULT_TIMEOUT[name]
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: Any = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Any = None,
+    group_name: str = "",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> None:
+    """Join the job's default group (torch.distributed's signature; every argument may be left out).
+
+    Rank and world size come from the launcher (mpiexec, srun, commlib.launch,
+    torchrun variables); explicit ``rank``/``world_size`` must agree with it.
+    ``timeout`` (timedelta or seconds) bounds every blocking call on the group;
+    the default is 30 minutes, or ``COMMLIB_TIMEOUT`` seconds when set.
+    """
+    if _state.world is not None and not _state.implicit:
+        raise RuntimeError("init_process_group: the default group is already initialised; call destroy_process_group() first")
+    name = _choose_backend(backend)
+    if init_method is not None and not str(init_method).startswith(_INIT_SCHEMES):
+        raise ValueError(f"init_process_group: init_method must start with env://, tcp:// or file://, got {init_method!r}")
+    seconds = _default_timeout(name) if timeout is None else as_seconds(timeout, "init_process_group")
+    if _state.world is None:
+        _state.world = _make_world(name, seconds, world_size, rank)
+    _check_explicit(_state.world, world_size, rank)
+    _state.world.timeout = seconds
+    _state.implicit = False
+
+
+def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1) -> ProcessGroup:
+    from commlib.backends import mpi
+
+    info = launch_info()
+    backend = mpi.world()
+    if backend.size == 1 and max(info.world_size, world_size) > 1:
+        expected = max(info.world_size, world_size)
+        raise BackendUnavailableError(
+            f"init_process_group: the environment ({info.source}) says this is rank {info.rank} of {expected}, "
+            "but MPI sees a single process: the mpi backend needs its ranks started by an MPI launcher, e.g. "
+            f"`mpiexec -n {expected} python script.py` or `python -m commlib.launch --nproc_per_node {expected} script.py`"
+        )
+    world = ProcessGroup(backend, list(range(backend.size)), backend.rank, "world", timeout,
+                         f"[rank {backend.rank}/{backend.size}] ")  # fmt: skip
+    _state.groups = [world]
+    return world
+
+
+def _check_explicit(world: ProcessGroup, world_size: int, rank: int) -> None:
+    if world_size not in (-1, None) and world_size != world.size:
+        raise ValueError(f"init_process_group: world_size={world_size}, but the job has {world.size} ranks")
+    if rank not in (-1, None) and rank != world.rank:
+        raise ValueError(f"init_process_group: rank={rank}, but the launcher made this process rank {world.rank}")
+
+
+def resolve(group: ProcessGroup | None, call: str) -> ProcessGroup:
+    """The group a call runs on: ``group``, or the default group (initialised on first use)."""
+    g = _state.world if group is None else group
+    if g is None:
+        g = _implicit_world()
+    elif type(g) is not ProcessGroup:
+        raise TypeError(f"{call}: group must be a ProcessGroup from commlib.new_group() or None, got {group!r}")
+    if g.broken is not None or g.backend is None:
+        g.refuse(call)
+    return g
+
+
+def _implicit_world() -> ProcessGroup:
+    name = _choose_backend(None)
+    _state.world = _make_world(name, _default_timeout(name))
+    _state.implicit = True
+    return _state.world
+
+
+def is_initialized() -> bool:
+    """True once the default group exists (explicitly or by a first API call)."""
+    return _state.world is not None
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Tear down ``group``, or every group including the default one when ``group`` is None."""
+    targets = list(_state.groups) if group is None else [group]
+    for g in targets:
+        if g.backend is not None and g.broken is None and g is not _state.world:
+            g.backend.close()
+        g.backend = None
+        if g in _state.groups:
+            _state.groups.remove(g)
+    if group is None or group is _state.world:
+        _state.world, _state.implicit, _state.groups = None, False, []
+
+
+def new_group(
+    ranks: list[int] | None = None,
+    timeout: Any = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+    sort_ranks: bool = True,
+) -> ProcessGroup:
+    """Create a sub-group of the default group; every rank must call it with the same ``ranks``."""
+    world = resolve(None, "new_group")
+    members = _check_ranks(world, ranks)
+    if sort_ranks:
+        members = sorted(members)
+    if backend is not None and _choose_backend(backend) != world.backend_name:
+        raise ValueError(f"{world.label}new_group: backend={backend!r} differs from the default group's "
+                         f"{world.backend_name!r}; groups use the default group's backend")  # fmt: skip
+    seconds = world.timeout if timeout is None else as_seconds(timeout, "new_group")
+    try:
+        sub = world.backend.split(members, world.timeout)
+    except CommTimeoutError as e:
+        world.mark_broken(e)
+        raise CommTimeoutError(f"{world.label}{e}") from None
+    name = group_desc or f"group{len(_state.groups)}"
+    rank = members.index(world.rank) if sub is not None else -1
+    g = ProcessGroup(sub, members, rank, name, seconds, world.label)
+    _state.groups.append(g)
+    return g
+
+
+def _check_ranks(world: ProcessGroup, ranks: Any) -> list[int]:
+    if ranks is None:
+        return list(range(world.size))
+    if not isinstance(ranks, (list, tuple, range)):
+        raise TypeError(f"{world.label}new_group: ranks must be a list of ints, got {ranks!r}")
+    out = list(ranks)
+    bad = [r for r in out if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world.size]
+    if bad:
+        raise ValueError(f"{world.label}new_group: ranks must be in [0, {world.size}), got {bad} in {out}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{world.label}new_group: ranks must not repeat, got {out}")
+    if not out:
+        raise ValueError(f"{world.label}new_group: ranks must not be empty")
+    return out
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world); -1 when it is not a member."""
+    g = _state.world if group is None else group
+    return (g or _implicit_world()).rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (default: the world); -1 when this process is not a member."""
+    g = (_state.world if group is None else group) or _implicit_world()
+    return g.size if g.rank >= 0 else -1
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The backend name of ``group`` (``"mpi"`` or ``"nccl"``)."""
+    g = (_state.world if group is None else group) or _implicit_world()
+    return g.backend_name
+
+
+def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """Translate a rank of ``group`` into a global rank."""
+    return group.ranks[group.check_group_rank(group_rank, "get_global_rank", "group_rank")]
+
+
+def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
+    """Translate a global rank into its rank in ``group``; ``ValueError`` when it is not a member."""
+    return group.group_rank(global_rank, "get_group_rank", "global_rank")

@@ -1,0 +1,257 @@
+"""The ``mpi`` backend: host (numpy) buffers over mpi4py, every operation nonblocking.
+
+Operations are posted with MPI's nonblocking calls (``Iallreduce`` ...) and
+completed by polling ``Test`` against a deadline, so a collective can time out
+without a helper thread on the hot path. MPI has no float16/bfloat16 type: those
+are reduced in a float32 scratch buffer and rounded once; moved as 16-bit words
+otherwise. AVG is SUM followed by one division on completion.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from commlib._arrays import LOW_PRECISION, bfloat16
+from commlib._ops import ReduceOp
+from commlib.backends._base import DONE, Chained, Handle, poll
+from commlib.errors import CommError, CommTimeoutError
+
+__all__ = ["MpiBackend", "world"]
+
+_MOVE_TYPE = {
+    np.dtype(np.int8): MPI.INT8_T,
+    np.dtype(np.uint8): MPI.UINT8_T,
+    np.dtype(np.int16): MPI.INT16_T,
+    np.dtype(np.uint16): MPI.UINT16_T,
+    np.dtype(np.int32): MPI.INT32_T,
+    np.dtype(np.uint32): MPI.UINT32_T,
+    np.dtype(np.int64): MPI.INT64_T,
+    np.dtype(np.uint64): MPI.UINT64_T,
+    np.dtype(np.float16): MPI.UINT16_T,
+    bfloat16: MPI.UINT16_T,
+    np.dtype(np.float32): MPI.FLOAT,
+    np.dtype(np.float64): MPI.DOUBLE,
+    np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
+    np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
+    np.dtype(np.bool_): MPI.C_BOOL,
+}
+_OP = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVG: MPI.SUM,
+    ReduceOp.PRODUCT: MPI.PROD,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.BAND: MPI.BAND,
+    ReduceOp.BOR: MPI.BOR,
+    ReduceOp.BXOR: MPI.BXOR,
+}
+# MPI reduces C_BOOL only with logical ops; these give torch's results on bool tensors.
+_BOOL_OP = {
+    ReduceOp.SUM: MPI.LOR,
+    ReduceOp.MAX: MPI.LOR,
+    ReduceOp.BOR: MPI.LOR,
+    ReduceOp.PRODUCT: MPI.LAND,
+    ReduceOp.MIN: MPI.LAND,
+    ReduceOp.BAND: MPI.LAND,
+    ReduceOp.BXOR: MPI.LXOR,
+}
+_F32 = np.dtype(np.float32)
+_BOOL = np.dtype(np.bool_)
+
+
+class _Req:
+    """A handle over one MPI request."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: MPI.Request) -> None:
+        self.req = req
+
+    def test(self) -> bool:
+        try:
+            return self.req.Test()
+        except MPI.Exception as e:
+            raise CommError(f"MPI reported an error: {e.Get_error_string()}") from None
+
+    def wait(self, timeout: float) -> bool:
+        return self.test() or poll(self.test, timeout)
+
+
+class _Reqs(_Req):
+    """A handle over several MPI requests (p2p batches, composed operations)."""
+
+    __slots__ = ()
+
+    def test(self) -> bool:
+        try:
+            return MPI.Request.Testall(self.req)
+        except MPI.Exception as e:
+            raise CommError(f"MPI reported an error: {e.Get_error_string()}") from None
+
+
+class _Recv(_Req):
+    """A receive handle that remembers who sent (for ``recv(src=None)``)."""
+
+    __slots__ = ("status",)
+
+    def __init__(self, req: MPI.Request, status: MPI.Status) -> None:
+        super().__init__(req)
+        self.status = status
+
+    def test(self) -> bool:
+        try:
+            return self.req.Test(self.status)
+        except MPI.Exception as e:
+            raise CommError(f"MPI reported an error: {e.Get_error_string()}") from None
+
+    @property
+    def source(self) -> int:
+        return self.status.Get_source()
+
+
+def _reduction(dtype: np.dtype, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
+    if dtype == _BOOL:
+        return MPI.C_BOOL, _BOOL_OP.get(op, MPI.OP_NULL)  # AVG on bool is refused before this
+    if dtype in LOW_PRECISION:
+        return MPI.FLOAT, _OP[op]
+    return _MOVE_TYPE[dtype], _OP[op]
+
+
+# (dtype, op) -> (datatype, op), computed once: a dict hit is the cheapest lookup on the hot path.
+_REDUCTIONS = {(d, op): _reduction(d, op) for d in _MOVE_TYPE for op in ReduceOp}
+
+
+class MpiBackend:
+    """Moves host buffers between the ranks of one MPI communicator."""
+
+    name = "mpi"
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        # Users get tags up to max_tag; the two above it carry commlib's own p2p traffic.
+        self.max_tag = int(comm.Get_attr(MPI.TAG_UB)) - 2
+        # COMMLIB_MPI_COMPOSED=1 routes all_to_all/gather/scatter through commlib's send/recv
+        # compositions (the code path backends without native calls use), for testing them.
+        self.native_composites = os.environ.get("COMMLIB_MPI_COMPOSED") != "1"
+
+    # -- reductions -------------------------------------------------------------
+    def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Handle:
+        dtype = recvbuf.dtype
+        t, mop = _REDUCTIONS[dtype, op]
+        if dtype in LOW_PRECISION:
+            scratch = sendbuf.astype(_F32)
+            req = self.comm.Iallreduce(MPI.IN_PLACE, [scratch, t], mop)
+            return Chained(_Req(req), functools.partial(self._round, scratch, recvbuf, op))
+        sb = MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
+        req = _Req(self.comm.Iallreduce(sb, [recvbuf, t], mop))
+        if op is ReduceOp.AVG:
+            return Chained(req, functools.partial(np.divide, recvbuf, self.size, out=recvbuf))
+        return req
+
+    def reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, root: int) -> Handle:
+        dtype = recvbuf.dtype
+        t, mop = _REDUCTIONS[dtype, op]
+        mine = self.rank == root
+        if dtype in LOW_PRECISION:
+            scratch = sendbuf.astype(_F32)
+            req = _Req(self.comm.Ireduce(MPI.IN_PLACE if mine else [scratch, t], [scratch, t], mop, root))
+            return Chained(req, functools.partial(self._round, scratch, recvbuf, op)) if mine else req
+        if mine:
+            sb = MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
+        else:
+            sb = [sendbuf, t]
+        req = _Req(self.comm.Ireduce(sb, [recvbuf, t], mop, root))
+        if op is ReduceOp.AVG and mine:
+            return Chained(req, functools.partial(np.divide, recvbuf, self.size, out=recvbuf))
+        return req
+
+    def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Handle:
+        dtype = recvbuf.dtype
+        t, mop = _REDUCTIONS[dtype, op]
+        if dtype in LOW_PRECISION:
+            send32, recv32 = sendbuf.astype(_F32), np.empty(recvbuf.shape, _F32)
+            req = _Req(self.comm.Ireduce_scatter_block([send32, t], [recv32, t], mop))
+            return Chained(req, functools.partial(self._round, recv32, recvbuf, op))
+        req = _Req(self.comm.Ireduce_scatter_block([sendbuf, t], [recvbuf, t], mop))
+        if op is ReduceOp.AVG:
+            return Chained(req, functools.partial(np.divide, recvbuf, self.size, out=recvbuf))
+        return req
+
+    def _round(self, scratch: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        if op is ReduceOp.AVG:
+            scratch /= self.size
+        out[...] = scratch.reshape(out.shape)  # the one rounding to float16/bfloat16
+
+    # -- data movement ----------------------------------------------------------
+    def broadcast(self, buf: np.ndarray, root: int) -> Handle:
+        return _Req(self.comm.Ibcast([buf, _MOVE_TYPE[buf.dtype]], root))
+
+    def all_gather(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray) -> Handle:
+        t = _MOVE_TYPE[recvbuf.dtype]
+        sb = MPI.IN_PLACE if sendbuf is None else [sendbuf, t]
+        return _Req(self.comm.Iallgather(sb, [recvbuf, t]))
+
+    def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> Handle:
+        t = _MOVE_TYPE[sendbuf.dtype]
+        rb = [recvbuf, t] if recvbuf is not None else None
+        return _Req(self.comm.Igather([sendbuf, t], rb, root))
+
+    def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> Handle:
+        t = _MOVE_TYPE[recvbuf.dtype]
+        sb = [sendbuf, t] if sendbuf is not None else None
+        return _Req(self.comm.Iscatter(sb, [recvbuf, t], root))
+
+    def all_to_all(
+        self, sendbuf: np.ndarray, send_counts: list[int], recvbuf: np.ndarray, recv_counts: list[int]
+    ) -> Handle:
+        """Uneven all-to-all: ``send_counts[i]`` elements go to rank i, in rank order."""
+        t = _MOVE_TYPE[recvbuf.dtype]
+        sd, rd = np.cumsum([0, *send_counts[:-1]]), np.cumsum([0, *recv_counts[:-1]])
+        spec_s = [sendbuf, (list(send_counts), [int(x) for x in sd]), t]
+        spec_r = [recvbuf, (list(recv_counts), [int(x) for x in rd]), t]
+        return _Req(self.comm.Ialltoallv(spec_s, spec_r))
+
+    def send(self, buf: np.ndarray, peer: int, tag: int) -> Handle:
+        return _Req(self.comm.Isend([buf, _MOVE_TYPE[buf.dtype]], peer, tag))
+
+    def recv(self, buf: np.ndarray, peer: int | None, tag: int) -> _Recv:
+        src = MPI.ANY_SOURCE if peer is None else peer
+        return _Recv(self.comm.Irecv([buf, _MOVE_TYPE[buf.dtype]], src, tag), MPI.Status())
+
+    def group_start(self) -> None:
+        """Nonblocking MPI p2p never deadlocks on posting order, so a group needs no bracket."""
+
+    def group_end(self) -> None:
+        """See :meth:`group_start`."""
+
+    def barrier(self) -> Handle:
+        return _Req(self.comm.Ibarrier()) if self.size > 1 else DONE
+
+    # -- communicators ----------------------------------------------------------
+    def split(self, ranks: list[int], timeout: float) -> MpiBackend | None:
+        """Sub-communicator of ``ranks`` (in that order); collective over this communicator."""
+        # A nonblocking barrier first, so a missing rank times out instead of hanging in Split.
+        if not _Req(self.comm.Ibarrier()).wait(timeout):
+            raise CommTimeoutError(f"new_group: not every rank called new_group within {timeout:.1f} s")
+        member = self.rank in ranks
+        sub = self.comm.Split(0 if member else MPI.UNDEFINED, ranks.index(self.rank) if member else 0)
+        return MpiBackend(sub) if member else None
+
+    def abort(self) -> None:
+        """MPI cannot abort one communicator without killing the job; the group layer fences it off."""
+
+    def close(self) -> None:
+        """Free the communicator (not the world)."""
+        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+
+def world() -> MpiBackend:
+    """The backend over ``MPI.COMM_WORLD`` (MPI is initialised by importing mpi4py)."""
+    return MpiBackend(MPI.COMM_WORLD)

@@ -1,0 +1,26 @@
+"""The exceptions commlib raises for failures that are not caller mistakes.
+
+Caller mistakes (a wrong dtype, a wrong size, an out-of-range rank) raise the
+built-in ``TypeError`` / ``ValueError``. Everything that goes wrong *between*
+ranks is a :class:`CommError`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BackendUnavailableError", "CommError", "CommTimeoutError", "GroupBrokenError"]
+
+
+class CommError(RuntimeError):
+    """A collective or point-to-point operation failed across ranks."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """An operation did not complete within its timeout (a peer died, hangs, or made another call)."""
+
+
+class GroupBrokenError(CommError):
+    """The group failed earlier (e.g. a timeout) and can no longer be used; ``__cause__`` is the original error."""
+
+
+class BackendUnavailableError(CommError):
+    """The requested backend cannot run here (missing package, no GPU, no MPI launcher)."""
