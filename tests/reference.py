@@ -1,0 +1,84 @@
+"""Numpy oracles for the collective tests: deterministic per-rank inputs and reduced results.
+
+Inputs are small integers or quarters, so every sum and product below is exact
+in every dtype and the distributed result must equal the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+INTS = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
+FLOATS = [np.float16, BF16, np.float32, np.float64]
+COMPLEX = [np.complex64, np.complex128]
+ALL_DTYPES = [np.dtype(d) for d in [*INTS, *FLOATS, *COMPLEX, np.bool_]]
+LOW = {np.dtype(np.float16), BF16}
+
+OPS_BY_KIND = {
+    "i": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"],
+    "u": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"],
+    "f": ["SUM", "PRODUCT", "MIN", "MAX", "AVG"],
+    "c": ["SUM", "PRODUCT", "AVG"],
+    "b": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"],
+}
+
+
+def kind(dtype: np.dtype) -> str:
+    return "f" if dtype == BF16 else np.dtype(dtype).kind
+
+
+def ops_for(dtype: np.dtype) -> list[str]:
+    return OPS_BY_KIND[kind(dtype)]
+
+
+def make(rank: int, size: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
+    """Rank ``rank``'s input: ``size`` deterministic, small, exactly representable values."""
+    rng = np.random.default_rng([rank, size, salt, 12345])
+    k = kind(dtype)
+    if k == "b":
+        return rng.integers(0, 2, size).astype(bool)
+    if k == "u":
+        return rng.integers(0, 4, size).astype(dtype)
+    if k == "i":
+        return rng.integers(-2, 4, size).astype(dtype)
+    if k == "c":
+        return (rng.integers(-3, 4, size) + 1j * rng.integers(-3, 4, size)).astype(dtype)
+    return (rng.integers(-8, 9, size) / 4).astype(np.float32).astype(dtype)
+
+
+def reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    """The reduction of ``arrays`` (one per rank) the way commlib defines it."""
+    dtype = arrays[0].dtype
+    if dtype == np.bool_:
+        fn = {"SUM": np.any, "MAX": np.any, "BOR": np.any, "PRODUCT": np.all, "MIN": np.all, "BAND": np.all}
+        stack = np.stack(arrays)
+        if op == "BXOR":
+            return np.bitwise_xor.reduce(stack, axis=0)
+        return fn[op](stack, axis=0)
+    work = [a.astype(np.float32) for a in arrays] if dtype in LOW else arrays
+    stack = np.stack(work)
+    ufunc = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply, "MIN": np.minimum, "MAX": np.maximum,
+             "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]  # fmt: skip
+    out = ufunc.reduce(stack, axis=0, dtype=stack.dtype)
+    if op == "AVG":
+        out = out / np.asarray(len(arrays), dtype=out.real.dtype)
+    return out.astype(dtype)
+
+
+def group_layouts(n: int) -> dict[str, list[int]]:
+    """The world, a group that excludes rank 0, and one that excludes the last rank (they overlap for n >= 3)."""
+    layouts = {"world": list(range(n))}
+    if n > 1:
+        layouts["tail"] = list(range(1, n))
+        layouts["head"] = list(range(n - 1))
+    return layouts
+
+
+def same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Assert bit-equal arrays (NaN-free inputs), with a readable message."""
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    if not np.array_equal(got, want):
+        raise AssertionError(f"{what}:\n got  {got!r}\n want {want!r}")
