@@ -1,0 +1,89 @@
+"""Hypothesis-driven comparison of collectives against the numpy reference.
+
+Every rank runs the same derandomized hypothesis search (no shrinking, so the
+ranks never diverge), so each drawn case is executed by all ranks together.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from reference import ALL_DTYPES, group_layouts, make, ops_for, reduce, same
+
+from commlib.testing import run
+
+COLLECTIVES = ["all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single"]  # fmt: skip
+
+
+def _case(dist, groups, layouts, me, case) -> None:
+    name, dtype, op_index, shape, root_index, layout, async_op, salt = case
+    ranks = layouts[layout]
+    if me not in ranks:
+        return
+    g, n, i = groups[layout], len(ranks), ranks.index(me)
+    op = ops_for(dtype)[op_index % len(ops_for(dtype))]
+    root = ranks[root_index % n]
+    size = int(np.prod(shape))
+    ins = [make(rk, size * n, dtype, salt).reshape(n * shape[0], *shape[1:]) for rk in ranks]
+    mine = ins[i].copy()
+    what = f"{case}"
+    if name == "all_reduce":
+        w = dist.all_reduce(mine, getattr(dist.ReduceOp, op), group=g, async_op=async_op)
+        want = reduce(ins, op)
+    elif name == "reduce":
+        w = dist.reduce(mine, dst=root, op=getattr(dist.ReduceOp, op), group=g, async_op=async_op)
+        want = reduce(ins, op) if me == root else ins[i]
+    elif name == "broadcast":
+        w = dist.broadcast(mine, src=root, group=g, async_op=async_op)
+        want = ins[ranks.index(root)]
+    elif name == "all_gather_into_tensor":
+        out = np.zeros((n, *mine.shape), dtype)
+        w = dist.all_gather_into_tensor(out, mine, group=g, async_op=async_op)
+        mine, want = out, np.stack(ins)
+    elif name == "reduce_scatter_tensor":
+        out = np.zeros((shape[0], *shape[1:]), dtype)
+        w = dist.reduce_scatter_tensor(out, mine, getattr(dist.ReduceOp, op), group=g, async_op=async_op)
+        mine, want = out, reduce(ins, op)[i * shape[0] : (i + 1) * shape[0]]
+    else:
+        out = np.zeros_like(mine)
+        w = dist.all_to_all_single(out, mine, group=g, async_op=async_op)
+        k = shape[0]
+        mine, want = out, np.concatenate([a[i * k : (i + 1) * k] for a in ins])
+    if async_op:
+        w.wait()
+    same(mine, want, what)
+
+
+def property_job(max_examples: int) -> int:
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    import commlib as dist
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    layouts = group_layouts(n)
+    groups = {k: None if k == "world" else dist.new_group(v) for k, v in layouts.items()}
+    count = [0]
+    cases = st.tuples(
+        st.sampled_from(COLLECTIVES), st.sampled_from(ALL_DTYPES), st.integers(0, 6),
+        st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple), st.integers(0, 3),
+        st.sampled_from(sorted(layouts)), st.booleans(), st.integers(0, 1000),
+    )  # fmt: skip
+
+    @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck), print_blob=False)  # fmt: skip
+    @given(cases)
+    def check(case) -> None:
+        _case(dist, groups, layouts, me, case)
+        count[0] += 1
+
+    check()
+    dist.destroy_process_group()
+    return count[0]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_random_collectives_match_numpy(n: int) -> None:
+    counts = run(property_job, n, 300, timeout=240)
+    assert counts[0] == 300, counts
