@@ -1,0 +1,289 @@
+"""Tests of commlib.testing.run, the multi-rank test helper, with real mpiexec jobs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from commlib._mpiexec import find_mpiexec, mpiexec_command
+from commlib.testing import RankFailure, run, world_sizes
+
+
+@dataclass(frozen=True)
+class Payload:
+    """An argument whose class lives in this module, so the ranks must import it."""
+
+    name: str
+    size: int
+
+
+def _rank_size_sum() -> tuple[int, int, int]:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    return comm.rank, comm.size, comm.allreduce(comm.rank + 1)
+
+
+def _raise_on_rank_1() -> int:
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.rank
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    return rank * 10
+
+
+def _raise_on_rank_1_before_allreduce() -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.rank == 1:
+        raise ValueError("rank 1 gives up")
+    return comm.allreduce(1)  # waits for rank 1 forever
+
+
+def _sleep_on_rank_1_forever() -> int:
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.rank
+    if rank == 1:
+        time.sleep(1000)
+    return rank
+
+
+def _sigkill_rank_1() -> int:
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.rank
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def _linger_in_a_thread_on_rank_0() -> int:
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.rank
+    if rank == 0:  # a non-daemon thread: the interpreter waits for it at exit
+        threading.Thread(target=time.sleep, args=(1000,)).start()
+    return rank
+
+
+def _echo(a: int, b: Payload, *, c: str = "", d: object = None) -> tuple:
+    return int(os.environ["PMI_RANK"]), a, b, c, d, os.environ.get("COMMLIB_TEST_VAR")
+
+
+def _numpy_loaded() -> bool:
+    return "numpy" in sys.modules
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid still runs; zombies awaiting an absent reaper count as dead."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
+def _job_processes(spec_dir: Path) -> list[int]:
+    """Pids of processes whose command line mentions the spec dir (mpiexec, ranks)."""
+    needle = os.fsencode(spec_dir)
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            continue
+    return [pid for pid in found if _alive(pid)]
+
+
+def _discard(err: RankFailure) -> None:
+    """Remove the spec dir that run() keeps on failure (only once the test passed)."""
+    assert err.spec_dir is not None
+    shutil.rmtree(err.spec_dir)
+
+
+def _recorded_pids(spec_dir: Path) -> set[int]:
+    """Rank pids and their parents (hydra's proxy), as recorded by the workers."""
+    pids: set[int] = set()
+    for path in spec_dir.glob("pid.*"):
+        pids.update(int(p) for p in path.read_text().split())
+    return pids
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", world_sizes)
+def test_values_come_back_per_rank(n: int) -> None:
+    expected_sum = n * (n + 1) // 2
+    assert run(_rank_size_sum, n) == [(rank, n, expected_sum) for rank in range(n)]
+
+
+@pytest.mark.timeout(60)
+def test_args_kwargs_and_env_are_passed() -> None:
+    payload = Payload("x", 3)
+    got = run(_echo, 2, 7, payload, c="see", d={"k": [1, 2]}, env={"COMMLIB_TEST_VAR": "v"})
+    assert got == [(rank, 7, payload, "see", {"k": [1, 2]}, "v") for rank in range(2)]
+
+
+@pytest.mark.timeout(60)
+def test_raising_rank_is_reported_and_others_results_kept() -> None:
+    with pytest.raises(RankFailure) as info:
+        run(_raise_on_rank_1, 3)
+    err = info.value
+    assert sorted(err.failures) == [1]
+    assert "ValueError: boom from rank 1" in err.failures[1]
+    assert "rank 1 raised" in str(err) and "boom from rank 1" in str(err)
+    assert err.unfinished == []
+    assert err.results == {0: 0, 2: 20}
+    assert err.spec_dir is not None and str(err.spec_dir) in str(err)
+    _discard(err)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_ranks_stuck_behind_a_failed_rank_are_killed_early() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run(_raise_on_rank_1_before_allreduce, 2, timeout=50)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert sorted(err.failures) == [1] and "rank 1 gives up" in err.failures[1]
+    assert err.unfinished == [0]
+    assert "_raise_on_rank_1_before_allreduce" in err.stacks[0]
+    assert elapsed < 15, elapsed  # the grace period, not the 50 s deadline
+    assert _job_processes(err.spec_dir) == []
+    _discard(err)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_hanging_rank_is_killed_at_deadline_with_stack_dump() -> None:
+    timeout = 5.0
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run(_sleep_on_rank_1_forever, 2, timeout=timeout)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert timeout <= elapsed < timeout + 6, elapsed
+    assert err.unfinished == [1] and err.failures == {}
+    assert "_sleep_on_rank_1_forever" in err.stacks[1]
+    assert "hung: killed after the 5 s deadline" in str(err)
+    assert "_sleep_on_rank_1_forever" in str(err)
+    recorded = _recorded_pids(err.spec_dir)
+    assert len(recorded) >= 3  # two ranks and the proxy
+    assert [pid for pid in recorded if _alive(pid)] == []
+    assert _job_processes(err.spec_dir) == []
+    _discard(err)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_job_lingering_after_all_ranks_returned_is_killed_with_a_warning() -> None:
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="every rank returned, but the job did not exit"):
+        assert run(_linger_in_a_thread_on_rank_0, 2, timeout=50) == [0, 1]
+    assert time.monotonic() - start < 15  # the grace period, not the 50 s deadline
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_signal_is_reported() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run(_sigkill_rank_1, 3, timeout=50)
+    err = info.value
+    assert time.monotonic() - start < 15
+    assert 1 in err.unfinished and 1 not in err.failures
+    assert "rank 1 did not finish: exited without a result" in str(err)
+    assert _job_processes(err.spec_dir) == []
+    _discard(err)
+
+
+_ORPHAN_SCRIPT = """
+import sys
+sys.path[:0] = sys.argv[1:]
+from commlib.testing import run
+from test_testing import _sleep_on_rank_1_forever
+run(_sleep_on_rank_1_forever, 2, timeout=100, env={"COMMLIB_TEST_MARKER": "%s"})
+"""
+
+
+def _marked_processes(marker: bytes) -> list[int]:
+    """Live pids whose environment holds the given marker."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker in Path(f"/proc/{entry}/environ").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            continue
+    return [pid for pid in found if _alive(pid)]
+
+
+@pytest.mark.timeout(60)
+def test_job_dies_with_a_killed_parent() -> None:
+    marker = f"COMMLIB_TEST_MARKER=orphan-{os.getpid()}-{time.monotonic_ns()}".encode()
+    here = str(Path(__file__).resolve().parent)
+    script = _ORPHAN_SCRIPT % marker.decode().partition("=")[2]
+    parent = subprocess.Popen([sys.executable, "-c", script, here, *sys.path])
+    try:
+        end = time.monotonic() + 20
+        # mpiexec, the proxy and both ranks carry the marker once everything runs.
+        while len(pids := _marked_processes(marker)) < 4:
+            assert time.monotonic() < end and parent.poll() is None, "the job never started"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+    # The killed parent could not remove its spec dir: the last argument of mpiexec and the ranks.
+    argvs = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in pids]
+    spec_dir = Path(os.fsdecode(next(argv[-2] for argv in argvs if b"commlib.testing._worker" in argv)))
+    end = time.monotonic() + 10
+    while _marked_processes(marker):
+        assert time.monotonic() < end, "the job outlived its killed parent"
+        time.sleep(0.05)
+    assert spec_dir.name.startswith("commlib-testing-")
+    shutil.rmtree(spec_dir)
+
+
+@pytest.mark.timeout(60)
+def test_worker_imports_nothing_heavy_beyond_commlib() -> None:
+    # The worker runs "-m commlib.testing._worker", which imports commlib itself;
+    # anything beyond that would be the worker's fault.
+    code = "import sys, commlib; print('numpy' in sys.modules)"
+    by_commlib = (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "True"
+    )
+    assert run(_numpy_loaded, 1) == [by_commlib]
+
+
+@pytest.mark.timeout(60)
+def test_nested_functions_are_rejected() -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(TypeError, match="module-level"):
+        run(local, 1)
+    with pytest.raises(TypeError, match="module-level"):
+        run(lambda: None, 1)
+
+
+@pytest.mark.timeout(60)
+def test_mpiexec_command_line() -> None:
+    mpiexec = find_mpiexec()
+    assert os.access(mpiexec, os.X_OK)
+    assert mpiexec_command(3, ["python", "x.py"]) == [mpiexec, "-prepend-rank", "-n", "3", "python", "x.py"]
+    assert mpiexec_command(1, ["a"], prepend_rank=False) == [mpiexec, "-n", "1", "a"]
+    with pytest.raises(ValueError):
+        mpiexec_command(0, ["a"])
