@@ -13,10 +13,12 @@ from commlib._barrier import barrier, monitored_barrier
 from commlib._collectives import (
     all_gather,
     all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     broadcast,
     reduce,
     reduce_scatter,
+    reduce_scatter_single,
     reduce_scatter_tensor,
 )
 from commlib._composed import all_to_all, all_to_all_single, gather, scatter
@@ -29,6 +31,7 @@ from commlib._world import (
     get_backend,
     get_global_rank,
     get_group_rank,
+    get_process_group_ranks,
     get_rank,
     get_world_size,
     init_process_group,
@@ -41,12 +44,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError", "CommError", "CommTimeoutError", "GroupBrokenError", "P2POp", "ProcessGroup",
-    "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+    "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single", "all_reduce", "all_to_all",
     "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",
     "destroy_process_group", "env", "gather", "gather_object", "get_backend", "get_global_rank", "get_group_rank",
-    "get_rank", "get_world_size", "init_process_group", "irecv", "is_available", "is_initialized",
+    "get_process_group_ranks", "get_rank", "get_world_size", "init_process_group", "irecv", "is_available", "is_initialized",
     "is_mpi_available", "is_nccl_available", "isend", "monitored_barrier", "new_group", "recv", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
 ]  # fmt: skip
 
 

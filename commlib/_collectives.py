@@ -13,7 +13,7 @@ from commlib._world import resolve
 from commlib.backends._base import Chained
 
 __all__ = [
-    "all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce", "reduce_scatter",
+    "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast", "reduce", "reduce_scatter",
     "reduce_scatter_tensor", "root_rank", "check_list",
 ]  # fmt: skip
 
@@ -158,3 +158,15 @@ def reduce_scatter(
     op = _op(op, out.dtype, g, call)
     send = np.concatenate([a.reshape(-1) for a in ins]) if ins else np.empty(0, out.dtype)
     return g.run(g.backend.reduce_scatter(send, out, op), call, async_op)
+
+
+def all_gather_single(output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None,
+                      async_op: bool = False) -> Work | None:  # fmt: skip
+    """torch 2.13's new name for :func:`all_gather_into_tensor`."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
+def reduce_scatter_single(output: Any, input: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+                          async_op: bool = False) -> Work | None:  # fmt: skip
+    """torch 2.13's new name for :func:`reduce_scatter_tensor`."""
+    return reduce_scatter_tensor(output, input, op, group, async_op)

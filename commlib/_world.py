@@ -10,7 +10,8 @@ from commlib._group import ProcessGroup, as_seconds
 from commlib.errors import BackendUnavailableError, CommTimeoutError
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "destroy_process_group", "get_backend", "get_global_rank", "get_group_rank", "get_rank",
+    "DEFAULT_TIMEOUT", "destroy_process_group", "get_backend", "get_global_rank", "get_group_rank",
+    "get_process_group_ranks", "get_rank",
     "get_world_size", "init_process_group", "is_initialized", "launch_info", "new_group", "resolve",
 ]  # fmt: skip
 
@@ -222,3 +223,9 @@ def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
 def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
     """Translate a global rank into its rank in ``group``; ``ValueError`` when it is not a member."""
     return group.group_rank(global_rank, "get_group_rank", "global_rank")
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (default: the world), in group-rank order."""
+    g = (_state.world if group is None else group) or _implicit_world()
+    return list(g.ranks)

@@ -45,6 +45,9 @@ all_gather_object(object_list, obj, group=None)
 gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None)
 scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None, group=None, group_src=None)
 P2POp(op, tensor, peer=None, group=None, tag=0, group_peer=None)
+all_gather_single(output_tensor, input_tensor, group=None, async_op=False)
+reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False)
+get_process_group_ranks(group)
 """
 EXPECTED = {line.split("(")[0]: line for line in TORCH_SIGNATURES.strip().splitlines()}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -254,4 +255,31 @@ class MpiBackend:
 
 def world() -> MpiBackend:
     """The backend over ``MPI.COMM_WORLD`` (MPI is initialised by importing mpi4py)."""
-    return MpiBackend(MPI.COMM_WORLD)
+    backend = MpiBackend(MPI.COMM_WORLD)
+    if backend.size > 1 and os.environ.get("COMMLIB_ABORT_ON_EXCEPTION", "1") != "0":
+        _abort_on_uncaught_exception()
+    return backend
+
+
+def _abort_on_uncaught_exception() -> None:
+    """An uncaught exception on one rank ends the whole job at once instead of leaving the others waiting.
+
+    Without this the failed rank sits in MPI_Finalize (which waits for every rank)
+    while the others wait in a collective until their timeout. ``MPI_Abort`` makes
+    the launcher stop every rank; the traceback is printed first.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_commlib", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+        previous(kind, value, tb)
+        if issubclass(kind, KeyboardInterrupt):
+            return
+        sys.stdout.flush()
+        sys.stderr.write(f"commlib: uncaught {kind.__name__} on rank {MPI.COMM_WORLD.Get_rank()}: aborting the job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    hook._commlib = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -1,0 +1,117 @@
+"""``python -m commlib.launch``: start one worker per rank on this machine (OneFlow's launcher flags).
+
+    python -m commlib.launch --nproc_per_node 2 train.py --lr 0.1
+    python -m commlib.launch --nproc_per_node 2 -m commlib.demo
+
+Workers are started under the MPICH wheel's ``mpiexec`` (so the mpi backend
+works) with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
+MASTER_ADDR and MASTER_PORT set for each; output lines are prefixed with the
+rank, or written per rank under ``--logdir``. The launcher exits with the job's
+exit code; Ctrl-C or SIGTERM stops every worker. This version starts jobs on one
+node; several nodes, restarts and the rendezvous store come with the launcher work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from commlib._mpiexec import find_mpiexec
+
+__all__ = ["build_command", "main", "parse_args"]
+
+
+def _nproc(value: str) -> int:
+    if value in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    if value == "gpu":
+        raise argparse.ArgumentTypeError("--nproc_per_node gpu: no GPU support in this version; give a number")
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, auto, cpu or gpu, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
+    return n
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the launcher's command line (OneFlow's flags, plus torchrun's --standalone)."""
+    p = argparse.ArgumentParser(prog="python -m commlib.launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (this version: 1)")
+    p.add_argument("--node_rank", type=int, default=0, help="rank of this node (this version: 0)")
+    p.add_argument("--nproc_per_node", type=_nproc, default=1, help="workers on this node: N, auto or cpu")
+    p.add_argument("--master_addr", default="127.0.0.1", help="address of node 0 (MASTER_ADDR)")
+    p.add_argument("--master_port", type=int, default=29500, help="free port on node 0 (MASTER_PORT)")
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a module, like python -m")
+    p.add_argument("--no_python", action="store_true", help="run the script as a program, without python")
+    p.add_argument("--redirect_stdout_and_stderr", action="store_true",
+                   help="write each worker's output to --logdir instead of the terminal")  # fmt: skip
+    p.add_argument("--logdir", default="log", help="folder for per-rank output (default: ./log)")
+    p.add_argument("--standalone", action="store_true", help="single-node job on localhost (torchrun's flag)")
+    p.add_argument("training_script", help="the script (or module with -m, or program with --no_python)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    args = p.parse_args(argv)
+    if args.nnodes != 1 or args.node_rank != 0:
+        p.error("this version starts jobs on one node (--nnodes 1); use mpiexec or srun across nodes")
+    if args.module and args.no_python:
+        p.error("-m/--module and --no_python cannot be combined")
+    return args
+
+
+def _program(args: argparse.Namespace) -> list[str]:
+    if args.no_python:
+        return [args.training_script, *args.training_script_args]
+    boot = [sys.executable, "-m", "commlib._bootstrap"]
+    if args.module:
+        return [*boot, "-m", args.training_script, *args.training_script_args]
+    return [*boot, args.training_script, *args.training_script_args]
+
+
+def build_command(args: argparse.Namespace) -> list[str]:
+    """The mpiexec command line: one MPMD segment per rank, each with its own environment."""
+    n = args.nproc_per_node
+    cmd = [find_mpiexec()]
+    if args.redirect_stdout_and_stderr:
+        log = Path(args.logdir).resolve()
+        log.mkdir(parents=True, exist_ok=True)
+        cmd += ["-outfile-pattern", str(log / "rank%r.stdout"), "-errfile-pattern", str(log / "rank%r.stderr")]
+    else:
+        cmd += ["-prepend-rank"]
+    common = {"WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "NODE_RANK": 0, "GROUP_RANK": 0, "NNODES": 1,
+              "MASTER_ADDR": args.master_addr, "MASTER_PORT": args.master_port}  # fmt: skip
+    for rank in range(n):
+        if rank:
+            cmd.append(":")
+        cmd += ["-n", "1"]
+        for name, value in {**common, "RANK": rank, "LOCAL_RANK": rank}.items():
+            cmd += ["-env", name, str(value)]
+        cmd += _program(args)
+    return cmd
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the job; return its exit code (128 + N when a worker was killed by signal N)."""
+    args = parse_args(argv)
+    env = dict(os.environ)
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
+    proc = subprocess.Popen(build_command(args), env=env)
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signal.SIGTERM)  # hydra stops every rank on SIGTERM
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    code = proc.wait()
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""The README's main job, the examples and the launcher, run as a user runs them (real processes)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from commlib._mpiexec import find_mpiexec
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "torch_distributed_eval.py"
+
+
+def _run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, **kw.pop("env", {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=kw.pop("cwd", ROOT), env=env, **kw)
+
+
+def test_demo_main_job_on_two_ranks() -> None:
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "-m", "commlib.demo"])
+    assert proc.returncode == 0, proc.stderr
+    assert "[0] commlib demo: 2 ranks, backend mpi" in proc.stdout
+    assert "[0] 14 collectives on 2 ranks: all results correct" in proc.stdout
+    assert "BAD" not in proc.stdout
+
+
+def _eval_output(stdout: str) -> list[str]:
+    keys = ("world size", "accuracy", "best score", "positive predictions", "per-rank correct", "first scores")
+    lines = [line.split("] ", 1)[-1] for line in stdout.splitlines()]
+    return [line for line in lines if line.startswith(keys)]
+
+
+def test_torch_distributed_script_runs_unchanged_under_mpiexec() -> None:
+    pytest.importorskip("torch")
+    proc = _run([find_mpiexec(), "-n", "3", sys.executable, str(EXAMPLE)])
+    assert proc.returncode == 0, proc.stderr
+    out = _eval_output(proc.stdout)
+    assert out[0] == "world size 3" and len(out) == 6, proc.stdout
+
+
+def test_torch_distributed_script_gives_the_same_answers_as_torch(tmp_path: Path) -> None:
+    """The same script with ``import torch.distributed as dist`` under torchrun (gloo) prints the same lines."""
+    pytest.importorskip("torch")
+    torch_version = tmp_path / "torch_eval.py"
+    text = EXAMPLE.read_text()
+    assert "import commlib as dist  # was: import torch.distributed as dist" in text
+    torch_version.write_text(text.replace("import commlib as dist  # was: import torch.distributed as dist",
+                                          "import torch.distributed as dist"))  # fmt: skip
+    ours = _run([find_mpiexec(), "-n", "3", sys.executable, str(EXAMPLE)])
+    theirs = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
+                   "29517", str(torch_version)], env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    assert _eval_output(ours.stdout) == _eval_output(theirs.stdout)
+
+
+def test_launcher_sets_the_worker_environment(tmp_path: Path) -> None:
+    script = tmp_path / "show_env.py"
+    script.write_text("import os, sys\nkeys = 'RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE NODE_RANK MASTER_ADDR "
+                      "MASTER_PORT OMP_NUM_THREADS'.split()\nprint(' '.join(os.environ[k] for k in keys), sys.argv[1:])\n")  # fmt: skip
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", "--master_port", "1234",
+                 str(script), "--flag", "x"], env={"OMP_NUM_THREADS": ""})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(proc.stdout.splitlines())
+    assert lines == [f"[{r}] {r} {r} 3 3 0 127.0.0.1 1234 1 ['--flag', 'x']" for r in range(3)], lines
+
+
+def test_launcher_logdir(tmp_path: Path) -> None:
+    script = tmp_path / "hello.py"
+    script.write_text("import commlib as dist\nprint('hello from', dist.get_rank())\n")
+    logdir = tmp_path / "logs"
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "--redirect_stdout_and_stderr",
+                 "--logdir", str(logdir), str(script)])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (logdir / "rank0.stdout").read_text() == "hello from 0\n"
+    assert (logdir / "rank1.stdout").read_text() == "hello from 1\n"
+
+
+def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path: Path) -> None:
+    """Rank 1 raises while the others wait in all_reduce (30-minute default timeout): the job ends at once."""
+    script = tmp_path / "boom.py"
+    script.write_text("import numpy as np, commlib as dist\nif dist.get_rank() == 1:\n    raise ValueError('boom')\n"
+                      "dist.all_reduce(np.ones(3))\n")  # fmt: skip
+    start = time.monotonic()
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script)],
+                env={"COMMLIB_TIMEOUT": "1800"}, timeout=60)  # fmt: skip
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "ValueError: boom" in proc.stdout + proc.stderr
+    assert "commlib: uncaught ValueError on rank 1: aborting the job" in proc.stdout + proc.stderr
+
+
+def test_launcher_rejects_bad_flags() -> None:
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "0", "x.py"])
+    assert proc.returncode == 2 and "must be a positive int, got 0" in proc.stderr
+    proc = _run([sys.executable, "-m", "commlib.launch", "-m", "--no_python", "x"])
+    assert proc.returncode == 2 and "cannot be combined" in proc.stderr
+
+
+def test_console_script_is_installed() -> None:
+    assert shutil.which("commlib-launch") or (Path(sys.executable).parent / "commlib-launch").exists()
