@@ -102,4 +102,6 @@ def _reject(a: np.ndarray, where: str, arg: str, writable: bool) -> np.ndarray:
 def same_kind(a: np.ndarray, ref: np.ndarray, ctx: object, call: str, arg: str, ref_arg: str) -> None:
     """Raise ``TypeError`` when ``a`` and ``ref`` have different dtypes."""
     if a.dtype != ref.dtype:
-        raise TypeError(f"{ctx.label}{call}: {arg} has dtype {a.dtype} but {ref_arg} has dtype {ref.dtype}; they must match")
+        raise TypeError(
+            f"{ctx.label}{call}: {arg} has dtype {a.dtype} but {ref_arg} has dtype {ref.dtype}; they must match"
+        )

@@ -15,8 +15,9 @@ from commlib.errors import CommTimeoutError
 __all__ = ["barrier", "monitored_barrier"]
 
 
-def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None,
-            timeout: Any = None) -> Work | None:  # fmt: skip
+def barrier(
+    group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None, timeout: Any = None
+) -> Work | None:
     """Wait until every rank of the group has called barrier (``timeout`` overrides the group's)."""
     g = resolve(group, "barrier")
     handle = g.backend.barrier()
@@ -47,8 +48,11 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     if g.rank != 0:
         b.send(np.zeros(1, np.uint8), 0, tag)
         if not b.recv(np.zeros(1, np.uint8), 0, tag).wait(seconds):
-            _fail(g, f"group rank 0 (global rank {g.ranks[0]}) did not release the barrier within {seconds:g} s; "
-                     "it may be waiting for a rank that did not arrive, or have failed")  # fmt: skip
+            _fail(
+                g,
+                f"group rank 0 (global rank {g.ranks[0]}) did not release the barrier within {seconds:g} s; "
+                "it may be waiting for a rank that did not arrive, or have failed",
+            )
         return
     arrivals = {p: b.recv(np.zeros(1, np.uint8), p, tag) for p in range(1, g.size)}
     deadline = time.monotonic() + seconds
@@ -56,8 +60,11 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     missing = [g.ranks[p] for p, h in arrivals.items() if not h.test()]
     if missing:
         waited = seconds - max(0.0, deadline - time.monotonic())
-        _fail(g, f"ranks {missing} did not reach the barrier within {waited:.3g} s "
-                 f"(global ranks; {g.size - len(missing)} of {g.size} arrived)")  # fmt: skip
+        _fail(
+            g,
+            f"ranks {missing} did not reach the barrier within {waited:.3g} s "
+            f"(global ranks; {g.size - len(missing)} of {g.size} arrived)",
+        )
     releases = [b.send(np.zeros(1, np.uint8), p, tag) for p in range(1, g.size)]
     poll(lambda: all(h.test() for h in releases), seconds)
 

@@ -6,16 +6,29 @@ from typing import Any
 
 import numpy as np
 
-from commlib._arrays import check_op, host_array, same_kind
+from commlib._arrays import DTYPES, check_op, host_array, same_kind
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
+from commlib._world import _state as _world
 from commlib._world import resolve
 from commlib.backends._base import Chained
 
 __all__ = [
-    "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "root_rank", "check_list",
-]  # fmt: skip
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "root_rank",
+    "check_list",
+]
+
+
+_SUM = ReduceOp.SUM  # Enum class attribute access costs ~50 ns; the hot path reads a global
 
 
 def _op(op: Any, dtype: np.dtype, g: ProcessGroup, call: str) -> ReduceOp:
@@ -66,19 +79,36 @@ def check_list(
     return out
 
 
-def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+def all_reduce(
+    tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Reduce ``tensor`` across the group; every rank gets the result in place."""
-    g = resolve(group, "all_reduce")
-    a = host_array(tensor, g, "all_reduce", "tensor")
-    if op is not ReduceOp.SUM:  # SUM is defined for every dtype; skip the check on the hot path
+    # The common case (default group, a writable contiguous numpy array) is checked inline:
+    # this function's own overhead is most of a small all_reduce's latency.
+    g = _world.world if group is None else group
+    if g is None or type(g) is not ProcessGroup or g.broken is not None or g.backend is None:
+        g = resolve(group, "all_reduce")
+    a = tensor
+    if type(a) is not np.ndarray or not (f := a.flags).writeable or not f.c_contiguous or a.dtype not in DTYPES:
+        a = host_array(tensor, g, "all_reduce", "tensor")
+    if op is not _SUM:  # SUM is defined for every dtype; skip the check on the hot path
         op = _op(op, a.dtype, g, "all_reduce")
-    return g.run(g.backend.all_reduce(a, a, op), "all_reduce", async_op)
+    handle = g.backend.all_reduce(a, a, op)
+    if async_op or g.pending:
+        return g.run(handle, "all_reduce", async_op)
+    g.seq += 1  # ProcessGroup.run's blocking path, inlined
+    if not handle.wait(g.timeout):
+        g.fail_timeout("all_reduce", g.seq, g.timeout)
+    return None
 
 
 def broadcast(
-    tensor: Any, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
+    tensor: Any,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
     group_src: int | None = None,
-) -> Work | None:  # fmt: skip
+) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
     g = resolve(group, "broadcast")
     a = host_array(tensor, g, "broadcast", "tensor")
@@ -87,9 +117,13 @@ def broadcast(
 
 
 def reduce(
-    tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
-    async_op: bool = False, group_dst: int | None = None,
-) -> Work | None:  # fmt: skip
+    tensor: Any,
+    dst: int | None = None,
+    op: Any = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
     """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
     g = resolve(group, "reduce")
     a = host_array(tensor, g, "reduce", "tensor")
@@ -114,7 +148,9 @@ def all_gather_into_tensor(
     return g.run(g.backend.all_gather(send, out), call, async_op)
 
 
-def all_gather(tensor_list: list, tensor: Any, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+def all_gather(
+    tensor_list: list, tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Gather every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
     call = "all_gather"
     g = resolve(group, call)
@@ -160,13 +196,15 @@ def reduce_scatter(
     return g.run(g.backend.reduce_scatter(send, out, op), call, async_op)
 
 
-def all_gather_single(output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None,
-                      async_op: bool = False) -> Work | None:  # fmt: skip
+def all_gather_single(
+    output_tensor: Any, input_tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """torch 2.13's new name for :func:`all_gather_into_tensor`."""
     return all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
 
 
-def reduce_scatter_single(output: Any, input: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
-                          async_op: bool = False) -> Work | None:  # fmt: skip
+def reduce_scatter_single(
+    output: Any, input: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """torch 2.13's new name for :func:`reduce_scatter_tensor`."""
     return reduce_scatter_tensor(output, input, op, group, async_op)

@@ -100,8 +100,10 @@ def _splits(g: ProcessGroup, call: str, arg: str, sizes: Any, a: np.ndarray) -> 
     row = a.size // rows if rows else 0
     if sizes is None or len(sizes) == 0:
         if rows % g.size:
-            raise ValueError(f"{g.label}{call}: dim 0 of {arg.split('_')[0]} ({rows}) must divide evenly by the "
-                             f"group size {g.size} when no split sizes are given")  # fmt: skip
+            raise ValueError(
+                f"{g.label}{call}: dim 0 of {arg.split('_')[0]} ({rows}) must divide evenly by the "
+                f"group size {g.size} when no split sizes are given"
+            )
         return [rows // g.size * row] * g.size
     sizes = list(sizes)
     if len(sizes) != g.size or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in sizes):
@@ -112,9 +114,13 @@ def _splits(g: ProcessGroup, call: str, arg: str, sizes: Any, a: np.ndarray) -> 
 
 
 def all_to_all_single(
-    output: Any, input: Any, output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
-    group: ProcessGroup | None = None, async_op: bool = False,
-) -> Work | None:  # fmt: skip
+    output: Any,
+    input: Any,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
     g = resolve(group, call)
@@ -135,7 +141,9 @@ def all_to_all(
     call = "all_to_all"
     g = resolve(group, call)
     if not isinstance(input_tensor_list, (list, tuple)) or not input_tensor_list:
-        raise TypeError(f"{g.label}{call}: input_tensor_list must be a list of {g.size} tensors, got {input_tensor_list!r}")
+        raise TypeError(
+            f"{g.label}{call}: input_tensor_list must be a list of {g.size} tensors, got {input_tensor_list!r}"
+        )
     first = host_array(input_tensor_list[0], g, call, "input_tensor_list[0]", writable=False)
     ins = check_list(g, call, "input_tensor_list", input_tensor_list, first, writable=False)
     outs = check_list(g, call, "output_tensor_list", output_tensor_list, first, writable=True)
@@ -160,9 +168,13 @@ def _only_on_root(g: ProcessGroup, call: str, arg: str, value: Any, is_root: boo
 
 
 def gather(
-    tensor: Any, gather_list: list | None = None, dst: int | None = None, group: ProcessGroup | None = None,
-    async_op: bool = False, group_dst: int | None = None,
-) -> Work | None:  # fmt: skip
+    tensor: Any,
+    gather_list: list | None = None,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
     call = "gather"
     g = resolve(group, call)
@@ -180,9 +192,13 @@ def gather(
 
 
 def scatter(
-    tensor: Any, scatter_list: list | None = None, src: int | None = None, group: ProcessGroup | None = None,
-    async_op: bool = False, group_src: int | None = None,
-) -> Work | None:  # fmt: skip
+    tensor: Any,
+    scatter_list: list | None = None,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
     call = "scatter"
     g = resolve(group, call)

@@ -60,24 +60,37 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         local_world = _int(env, "LOCAL_WORLD_SIZE", default=world)
         return LaunchInfo(
-            rank, world, _int(env, "LOCAL_RANK", default=rank % local_world), local_world,
+            rank,
+            world,
+            _int(env, "LOCAL_RANK", default=rank % local_world),
+            local_world,
             _int(env, "NODE_RANK", "GROUP_RANK", default=rank // local_world),
-            _int(env, "NNODES", default=_nodes(world, local_world)), master, port, "torchrun",
-        )  # fmt: skip
+            _int(env, "NNODES", default=_nodes(world, local_world)),
+            master,
+            port,
+            "torchrun",
+        )
     if "PMI_RANK" in env and "PMI_SIZE" in env:
         rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
         local_world = _int(env, "MPI_LOCALNRANKS", default=world)
         local = _int(env, "MPI_LOCALRANKID", default=rank % local_world)
-        return LaunchInfo(rank, world, local, local_world, rank // local_world, _nodes(world, local_world),
-                          master, port, "mpich")  # fmt: skip
+        return LaunchInfo(
+            rank, world, local, local_world, rank // local_world, _nodes(world, local_world), master, port, "mpich"
+        )
     if "OMPI_COMM_WORLD_RANK" in env:
         rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
         local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=world)
         return LaunchInfo(
-            rank, world, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=rank % local_world), local_world,
+            rank,
+            world,
+            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=rank % local_world),
+            local_world,
             _int(env, "OMPI_COMM_WORLD_NODE_RANK", default=rank // local_world),
-            _nodes(world, local_world), master, port, "openmpi",
-        )  # fmt: skip
+            _nodes(world, local_world),
+            master,
+            port,
+            "openmpi",
+        )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return _slurm(env, master, port)
     return LaunchInfo(0, 1, 0, 1, 0, 1, master, port, "single")
@@ -93,9 +106,16 @@ def _slurm(env: Mapping[str, str], master: str | None, port: int | None) -> Laun
         local_world = int(m.group(1)) if m else _nodes(world, nodes)
     hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
     return LaunchInfo(
-        rank, world, _int(env, "SLURM_LOCALID", default=0), local_world,
-        _int(env, "SLURM_NODEID", default=0), nodes, master or (hosts[0] if hosts else None), port, "slurm",
-    )  # fmt: skip
+        rank,
+        world,
+        _int(env, "SLURM_LOCALID", default=0),
+        local_world,
+        _int(env, "SLURM_NODEID", default=0),
+        nodes,
+        master or (hosts[0] if hosts else None),
+        port,
+        "slurm",
+    )
 
 
 def expand_hostlist(spec: str) -> list[str]:

@@ -27,7 +27,7 @@ def as_seconds(timeout: object, where: str) -> float:
 class ProcessGroup:
     """A set of ranks that communicate together: the world, or what ``new_group`` returns."""
 
-    __slots__ = ("backend", "ranks", "rank", "size", "name", "timeout", "label", "seq", "_pending", "broken")
+    __slots__ = ("backend", "broken", "label", "name", "pending", "rank", "ranks", "seq", "size", "timeout")
 
     def __init__(self, backend: Any, ranks: list[int], rank: int, name: str, timeout: float, label: str) -> None:
         self.backend = backend  # None on ranks outside the group
@@ -38,7 +38,7 @@ class ProcessGroup:
         self.timeout = timeout
         self.label = label  # "[rank 2/4] ": prefixes every message this group raises
         self.seq = 0  # collectives issued so far, for error messages
-        self._pending: collections.deque[Work] = collections.deque()
+        self.pending: collections.deque[Work] = collections.deque()
         self.broken: BaseException | None = None
 
     def __repr__(self) -> str:
@@ -53,9 +53,9 @@ class ProcessGroup:
         self.seq += 1
         if async_op:
             work = Work(self, handle, call, self.seq)
-            self._pending.append(work)
+            self.pending.append(work)
             return work
-        if self._pending:
+        if self.pending:
             self.drain(None, self.timeout)
         if not handle.wait(self.timeout):
             self.fail_timeout(call, self.seq, self.timeout)
@@ -63,7 +63,7 @@ class ProcessGroup:
 
     def drain(self, upto: Work | None, timeout: float) -> None:
         """Complete pending collectives in issue order, up to and including ``upto`` (all when None)."""
-        pending = self._pending
+        pending = self.pending
         while pending:
             work = pending[0]
             if not work.handle.wait(timeout):
@@ -75,7 +75,7 @@ class ProcessGroup:
 
     def test_upto(self, upto: Work) -> bool:
         """Complete, without blocking, the pending collectives that are done, in issue order."""
-        pending = self._pending
+        pending = self.pending
         while pending:
             work = pending[0]
             if not work.handle.test():
@@ -150,7 +150,7 @@ class Work:
     Work is not ordered with collectives (like gloo, unlike one NCCL stream).
     """
 
-    __slots__ = ("group", "handle", "call", "seq", "ordered", "done")
+    __slots__ = ("call", "done", "group", "handle", "ordered", "seq")
 
     def __init__(self, group: ProcessGroup, handle: Any, call: str, seq: int, ordered: bool = True) -> None:
         self.group = group

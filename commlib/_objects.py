@@ -62,8 +62,13 @@ def all_gather_object(object_list: list, obj: Any, group: ProcessGroup | None = 
     object_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
 
 
-def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | None = None,
-                  group: ProcessGroup | None = None, group_dst: int | None = None) -> None:  # fmt: skip
+def gather_object(
+    obj: Any,
+    object_gather_list: list | None = None,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    group_dst: int | None = None,
+) -> None:
     """Gather a picklable ``obj`` from every rank into ``object_gather_list`` on rank ``dst`` (default 0)."""
     call = "gather_object"
     g = resolve(group, call)
@@ -80,8 +85,13 @@ def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | N
         object_gather_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
 
 
-def broadcast_object_list(object_list: list, src: int | None = None, group: ProcessGroup | None = None,
-                          device: Any = None, group_src: int | None = None) -> None:  # fmt: skip
+def broadcast_object_list(
+    object_list: list,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_src: int | None = None,
+) -> None:
     """Replace ``object_list``'s entries on every rank with rank ``src``'s (lists of equal length)."""
     call = "broadcast_object_list"
     g = resolve(group, call)
@@ -98,9 +108,13 @@ def broadcast_object_list(object_list: list, src: int | None = None, group: Proc
         object_list[:] = [_load(payload[starts[i] : starts[i + 1]]) for i in range(len(sizes))]
 
 
-def scatter_object_list(scatter_object_output_list: list, scatter_object_input_list: list | None = None,
-                        src: int | None = None, group: ProcessGroup | None = None,
-                        group_src: int | None = None) -> None:  # fmt: skip
+def scatter_object_list(
+    scatter_object_output_list: list,
+    scatter_object_input_list: list | None = None,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    group_src: int | None = None,
+) -> None:
     """Send ``scatter_object_input_list[i]`` from rank ``src`` (default 0) into rank i's output list[0]."""
     call = "scatter_object_list"
     g = resolve(group, call)

@@ -48,26 +48,30 @@ def _post_recv(tensor: Any, src: Any, group: Any, tag: Any, group_src: Any, call
     return Work(g, g.backend.recv(a, peer, _tag(g, call, tag)), call, 0, ordered=False)
 
 
-def isend(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_dst: int | None = None) -> Work:  # fmt: skip
-    """Start sending ``tensor`` to global rank ``dst``; returns a Work (keep ``tensor`` unchanged until it completes)."""
+def isend(
+    tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
+) -> Work:
+    """Start sending ``tensor`` to global rank ``dst``; keep ``tensor`` unchanged until the Work completes."""
     return _post_send(tensor, dst, group, tag, group_dst, "isend")
 
 
-def irecv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-          group_src: int | None = None) -> Work:  # fmt: skip
+def irecv(
+    tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
+) -> Work:
     """Start receiving into ``tensor`` from global rank ``src`` (None: any rank); returns a Work."""
     return _post_recv(tensor, src, group, tag, group_src, "irecv")
 
 
-def send(tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-         group_dst: int | None = None) -> None:  # fmt: skip
+def send(
+    tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
+) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until the buffer may be reused."""
     _post_send(tensor, dst, group, tag, group_dst, "send").wait()
 
 
-def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
-         group_src: int | None = None) -> int:  # fmt: skip
+def recv(
+    tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
+) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
     work = _post_recv(tensor, src, group, tag, group_src, "recv")
     return work.source_rank()
@@ -76,13 +80,27 @@ def recv(tensor: Any, src: int | None = None, group: ProcessGroup | None = None,
 class P2POp:
     """One isend or irecv for :func:`batch_isend_irecv` (torch.distributed.P2POp's arguments)."""
 
-    __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer")
+    __slots__ = ("group", "group_peer", "op", "peer", "tag", "tensor")
 
-    def __init__(self, op: Any, tensor: Any, peer: int | None = None, group: ProcessGroup | None = None,
-                 tag: int = 0, group_peer: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        op: Any,
+        tensor: Any,
+        peer: int | None = None,
+        group: ProcessGroup | None = None,
+        tag: int = 0,
+        group_peer: int | None = None,
+    ) -> None:
         if op not in (isend, irecv):
             raise ValueError(f"P2POp: op must be commlib.isend or commlib.irecv, got {op!r}")
-        self.op, self.tensor, self.peer, self.group, self.tag, self.group_peer = op, tensor, peer, group, tag, group_peer
+        self.op, self.tensor, self.peer, self.group, self.tag, self.group_peer = (
+            op,
+            tensor,
+            peer,
+            group,
+            tag,
+            group_peer,
+        )
 
     def __repr__(self) -> str:
         peer = f"peer={self.peer}" if self.group_peer is None else f"group_peer={self.group_peer}"

@@ -10,10 +10,20 @@ from commlib._group import ProcessGroup, as_seconds
 from commlib.errors import BackendUnavailableError, CommTimeoutError
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "destroy_process_group", "get_backend", "get_global_rank", "get_group_rank",
-    "get_process_group_ranks", "get_rank",
-    "get_world_size", "init_process_group", "is_initialized", "launch_info", "new_group", "resolve",
-]  # fmt: skip
+    "DEFAULT_TIMEOUT",
+    "destroy_process_group",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "launch_info",
+    "new_group",
+    "resolve",
+]
 
 #: torch's defaults: 10 minutes for nccl, 30 minutes for everything else (seconds).
 DEFAULT_TIMEOUT = {"nccl": 600.0, "mpi": 1800.0}
@@ -22,10 +32,11 @@ _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 
 class _State:
-    world: ProcessGroup | None = None
-    implicit = False  # the world was created by the first API call, not by init_process_group
-    groups: list[ProcessGroup] = []
-    info: LaunchInfo | None = None
+    def __init__(self) -> None:
+        self.world: ProcessGroup | None = None
+        self.implicit = False  # the world was created by the first API call, not by init_process_group
+        self.groups: list[ProcessGroup] = []
+        self.info: LaunchInfo | None = None
 
 
 _state = _State()
@@ -76,10 +87,14 @@ def init_process_group(
     the default is 30 minutes, or ``COMMLIB_TIMEOUT`` seconds when set.
     """
     if _state.world is not None and not _state.implicit:
-        raise RuntimeError("init_process_group: the default group is already initialised; call destroy_process_group() first")
+        raise RuntimeError(
+            "init_process_group: the default group is already initialised; call destroy_process_group() first"
+        )
     name = _choose_backend(backend)
     if init_method is not None and not str(init_method).startswith(_INIT_SCHEMES):
-        raise ValueError(f"init_process_group: init_method must start with env://, tcp:// or file://, got {init_method!r}")
+        raise ValueError(
+            f"init_process_group: init_method must start with env://, tcp:// or file://, got {init_method!r}"
+        )
     seconds = _default_timeout(name) if timeout is None else as_seconds(timeout, "init_process_group")
     if _state.world is None:
         _state.world = _make_world(name, seconds, world_size, rank)
@@ -98,10 +113,12 @@ def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1)
         raise BackendUnavailableError(
             f"init_process_group: the environment ({info.source}) says this is rank {info.rank} of {expected}, "
             "but MPI sees a single process: the mpi backend needs its ranks started by an MPI launcher, e.g. "
-            f"`mpiexec -n {expected} python script.py` or `python -m commlib.launch --nproc_per_node {expected} script.py`"
+            f"`mpiexec -n {expected} python script.py` or "
+            f"`python -m commlib.launch --nproc_per_node {expected} script.py`"
         )
-    world = ProcessGroup(backend, list(range(backend.size)), backend.rank, "world", timeout,
-                         f"[rank {backend.rank}/{backend.size}] ")  # fmt: skip
+    world = ProcessGroup(
+        backend, list(range(backend.size)), backend.rank, "world", timeout, f"[rank {backend.rank}/{backend.size}] "
+    )
     _state.groups = [world]
     return world
 
@@ -166,8 +183,10 @@ def new_group(
     if sort_ranks:
         members = sorted(members)
     if backend is not None and _choose_backend(backend) != world.backend_name:
-        raise ValueError(f"{world.label}new_group: backend={backend!r} differs from the default group's "
-                         f"{world.backend_name!r}; groups use the default group's backend")  # fmt: skip
+        raise ValueError(
+            f"{world.label}new_group: backend={backend!r} differs from the default group's "
+            f"{world.backend_name!r}; groups use the default group's backend"
+        )
     seconds = world.timeout if timeout is None else as_seconds(timeout, "new_group")
     try:
         sub = world.backend.split(members, world.timeout)

@@ -42,14 +42,22 @@ def _steps(n: int, me: int) -> list[tuple[str, object, object]]:
     out.append(("all_to_all_single", recv, np.arange(n, dtype=np.int64) * 100 + me))
     gathered = [np.zeros(1, np.int64) for _ in range(n)] if me == 0 else None
     dist.gather(np.array([me * me], np.int64), gathered, dst=0)
-    out.append(("gather(dst=0)", np.concatenate(gathered) if me == 0 else None,
-                np.arange(n, dtype=np.int64) ** 2 if me == 0 else None))  # fmt: skip
+    out.append(
+        (
+            "gather(dst=0)",
+            np.concatenate(gathered) if me == 0 else None,
+            np.arange(n, dtype=np.int64) ** 2 if me == 0 else None,
+        )
+    )
     got = np.zeros(1, np.int64)
     dist.scatter(got, [np.array([10 * r], np.int64) for r in range(n)] if me == 0 else None, src=0)
     out.append(("scatter(src=0)", got, np.array([10 * me])))
     buf = np.zeros(1, np.int64)
-    ops = [dist.P2POp(dist.isend, np.array([me], np.int64), (me + 1) % n),
-           dist.P2POp(dist.irecv, buf, (me - 1) % n)] if n > 1 else []  # fmt: skip
+    ops = (
+        [dist.P2POp(dist.isend, np.array([me], np.int64), (me + 1) % n), dist.P2POp(dist.irecv, buf, (me - 1) % n)]
+        if n > 1
+        else []
+    )
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
     out.append(("send/recv ring", buf, np.array([(me - 1) % n if n > 1 else 0])))

@@ -42,8 +42,11 @@ def _nproc(value: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the launcher's command line (OneFlow's flags, plus torchrun's --standalone)."""
-    p = argparse.ArgumentParser(prog="python -m commlib.launch", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m commlib.launch",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (this version: 1)")
     p.add_argument("--node_rank", type=int, default=0, help="rank of this node (this version: 0)")
     p.add_argument("--nproc_per_node", type=_nproc, default=1, help="workers on this node: N, auto or cpu")
@@ -51,8 +54,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--master_port", type=int, default=29500, help="free port on node 0 (MASTER_PORT)")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module, like python -m")
     p.add_argument("--no_python", action="store_true", help="run the script as a program, without python")
-    p.add_argument("--redirect_stdout_and_stderr", action="store_true",
-                   help="write each worker's output to --logdir instead of the terminal")  # fmt: skip
+    p.add_argument(
+        "--redirect_stdout_and_stderr",
+        action="store_true",
+        help="write each worker's output to --logdir instead of the terminal",
+    )
     p.add_argument("--logdir", default="log", help="folder for per-rank output (default: ./log)")
     p.add_argument("--standalone", action="store_true", help="single-node job on localhost (torchrun's flag)")
     p.add_argument("training_script", help="the script (or module with -m, or program with --no_python)")
@@ -84,8 +90,15 @@ def build_command(args: argparse.Namespace) -> list[str]:
         cmd += ["-outfile-pattern", str(log / "rank%r.stdout"), "-errfile-pattern", str(log / "rank%r.stderr")]
     else:
         cmd += ["-prepend-rank"]
-    common = {"WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "NODE_RANK": 0, "GROUP_RANK": 0, "NNODES": 1,
-              "MASTER_ADDR": args.master_addr, "MASTER_PORT": args.master_port}  # fmt: skip
+    common = {
+        "WORLD_SIZE": n,
+        "LOCAL_WORLD_SIZE": n,
+        "NODE_RANK": 0,
+        "GROUP_RANK": 0,
+        "NNODES": 1,
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": args.master_port,
+    }
     for rank in range(n):
         if rank:
             cmd.append(":")

@@ -59,8 +59,16 @@ def reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
         return fn[op](stack, axis=0)
     work = [a.astype(np.float32) for a in arrays] if dtype in LOW else arrays
     stack = np.stack(work)
-    ufunc = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply, "MIN": np.minimum, "MAX": np.maximum,
-             "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]  # fmt: skip
+    ufunc = {
+        "SUM": np.add,
+        "AVG": np.add,
+        "PRODUCT": np.multiply,
+        "MIN": np.minimum,
+        "MAX": np.maximum,
+        "BAND": np.bitwise_and,
+        "BOR": np.bitwise_or,
+        "BXOR": np.bitwise_xor,
+    }[op]
     out = ufunc.reduce(stack, axis=0, dtype=stack.dtype)
     if op == "AVG":
         out = out / np.asarray(len(arrays), dtype=out.real.dtype)

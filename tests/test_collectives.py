@@ -79,7 +79,7 @@ def _all_gather(dist, g, ranks, me):
         ins = [make(rk, 6, dtype, salt=d).reshape(2, 3) for rk in ranks]
         outs = [np.zeros((2, 3), dtype) for _ in ranks]
         dist.all_gather(outs, ins[ranks.index(me)], group=g)
-        for got, want in zip(outs, ins):
+        for got, want in zip(outs, ins, strict=True):
             same(got, want, f"all_gather {dtype}")
         checks += 1
     return checks
@@ -154,7 +154,7 @@ def _gather(dist, g, ranks, me):
         outs = [np.zeros(3, dtype) for _ in ranks] if me == root else None
         dist.gather(ins[i], outs, dst=root, group=g)
         if me == root:
-            for got, want in zip(outs, ins):
+            for got, want in zip(outs, ins, strict=True):
                 same(got, want, f"gather {dtype} to {root}")
         checks += 1
     return checks
@@ -172,9 +172,22 @@ def _scatter(dist, g, ranks, me):
     return checks
 
 
-SCENARIOS = {f.__name__[1:]: f for f in [_all_reduce, _broadcast, _reduce, _all_gather_into_tensor, _all_gather,
-                                          _reduce_scatter_tensor, _reduce_scatter, _all_to_all_single, _all_to_all,
-                                          _gather, _scatter]}  # fmt: skip
+SCENARIOS = {
+    f.__name__[1:]: f
+    for f in [
+        _all_reduce,
+        _broadcast,
+        _reduce,
+        _all_gather_into_tensor,
+        _all_gather,
+        _reduce_scatter_tensor,
+        _reduce_scatter,
+        _all_to_all_single,
+        _all_to_all,
+        _gather,
+        _scatter,
+    ]
+}
 
 
 def scenario_on_every_group(name: str) -> int:

@@ -8,8 +8,16 @@ from commlib._environment import detect, expand_hostlist
 
 
 def test_torchrun_variables() -> None:
-    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h0",
-           "MASTER_PORT": "29500", "PMI_RANK": "0", "PMI_SIZE": "1"}  # fmt: skip
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "h0",
+        "MASTER_PORT": "29500",
+        "PMI_RANK": "0",
+        "PMI_SIZE": "1",
+    }
     info = detect(env)
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (5, 8, 1, 4)
     assert (info.node_rank, info.num_nodes, info.master_addr, info.master_port) == (1, 2, "h0", 29500)
@@ -22,15 +30,27 @@ def test_mpich_hydra_variables() -> None:
 
 
 def test_open_mpi_variables() -> None:
-    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "3", "OMPI_COMM_WORLD_NODE_RANK": "0"}  # fmt: skip
+    env = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "6",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+        "OMPI_COMM_WORLD_NODE_RANK": "0",
+    }
     info = detect(env)
     assert (info.rank, info.world_size, info.local_rank, info.num_nodes, info.source) == (2, 6, 2, 2, "openmpi")
 
 
 def test_slurm_variables_and_master_from_nodelist() -> None:
-    env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
-           "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]"}  # fmt: skip
+    env = {
+        "SLURM_PROCID": "6",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_NNODES": "2",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
     info = detect(env)
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (6, 8, 2, 4)
     assert (info.node_rank, info.num_nodes, info.master_addr, info.source) == (1, 2, "gpu07", "slurm")

@@ -27,45 +27,103 @@ def _readonly():
 
 # name -> (bad call on rank BAD, correct call on the others, exception type, text the message must contain)
 CASES = {
-    "wrong dtype": (lambda d, g: d.all_reduce(np.array(["a", "b"]), group=g), lambda d, g: d.all_reduce(_f32(2), group=g),
-                    TypeError, "all_reduce: tensor has dtype <U1, which commlib cannot move"),
-    "not an array": (lambda d, g: d.all_reduce([1.0, 2.0], group=g), lambda d, g: d.all_reduce(_f32(2), group=g),
-                     TypeError, "all_reduce: tensor must be a numpy array or an object with __dlpack__"),
-    "wrong size": (lambda d, g: d.all_gather_into_tensor(np.zeros(10, np.float32), _f32(3), group=g),
-                   lambda d, g: d.all_gather_into_tensor(np.zeros(9, np.float32), _f32(3), group=g),
-                   ValueError, "all_gather_into_tensor: output_tensor must have 3*3=9 elements, got 10"),
-    "dtype mismatch": (lambda d, g: d.all_gather_into_tensor(np.zeros(9, np.float64), _f32(3), group=g),
-                       lambda d, g: d.all_gather_into_tensor(np.zeros(9, np.float32), _f32(3), group=g),
-                       TypeError, "output_tensor has dtype float64 but input_tensor has dtype float32"),
-    "non-contiguous": (lambda d, g: d.all_reduce(_f32(8)[::2], group=g), lambda d, g: d.all_reduce(_f32(4), group=g),
-                       ValueError, "all_reduce: tensor must be contiguous (C order), got shape (4,) with strides (8,)"),
-    "read-only output": (lambda d, g: d.all_reduce(_readonly(), group=g), lambda d, g: d.all_reduce(_f32(), group=g),
-                         ValueError, "all_reduce: tensor is read-only"),
-    "root out of range": (lambda d, g: d.broadcast(_f32(), src=7, group=g), lambda d, g: d.broadcast(_f32(), BAD, g),
-                          ValueError, "broadcast: src=7 is not a rank of group"),
-    "group root out of range": (lambda d, g: d.reduce(_f32(), group=g, group_dst=3), lambda d, g: d.reduce(_f32(), 0, group=g),
-                                ValueError, "reduce: group_dst=3 is out of range for a group of size 3"),
-    "peer out of range": (lambda d, g: d.send(_f32(), dst=9, group=g), lambda d, g: d.barrier(group=g),
-                          ValueError, "send: dst=9 is not a rank of group"),
-    "peer is self": (lambda d, g: d.send(_f32(), dst=BAD, group=g), lambda d, g: d.barrier(group=g),
-                     ValueError, "send: dst must be another rank"),
-    "AVG on integers": (lambda d, g: d.all_reduce(np.ones(2, np.int32), d.ReduceOp.AVG, g),
-                        lambda d, g: d.all_reduce(np.ones(2, np.int32), d.ReduceOp.SUM, g),
-                        TypeError, "op=ReduceOp.AVG is not defined for dtype int32: AVG would truncate integers"),
-    "bitwise on floats": (lambda d, g: d.all_reduce(_f32(), d.ReduceOp.BXOR, g), lambda d, g: d.all_reduce(_f32(), group=g),
-                          TypeError, "op=ReduceOp.BXOR is not defined for dtype float32: bitwise ops need an integer"),
-    "unknown op": (lambda d, g: d.all_reduce(_f32(), "median", g), lambda d, g: d.all_reduce(_f32(), group=g),
-                   ValueError, "all_reduce: op must be a ReduceOp (SUM, PRODUCT"),
-    "wrong list length": (lambda d, g: d.all_gather([_f32(2)] * 2, _f32(2), group=g),
-                          lambda d, g: d.all_gather([_f32(2) for _ in range(3)], _f32(2), group=g),
-                          ValueError, "all_gather: tensor_list must hold one tensor per rank (3), got 2"),
-    "gather_list on non-root": (lambda d, g: d.gather(_f32(), [_f32()] * 3, dst=0, group=g),
-                                lambda d, g: d.gather(_f32(), [_f32() for _ in range(3)] if d.get_rank() == 0 else None, dst=0, group=g),
-                                ValueError, "gather: gather_list must not be given on ranks other than the destination"),
-    "bad split sizes": (lambda d, g: d.all_to_all_single(_f32(3), _f32(3), [1, 1, 1], [1, 1, 2], group=g),
-                        lambda d, g: d.all_to_all_single(_f32(3), _f32(3), group=g),
-                        ValueError, "input_split_sizes must sum to dim 0 (3), got sum([1, 1, 2])=4"),
-}  # fmt: skip
+    "wrong dtype": (
+        lambda d, g: d.all_reduce(np.array(["a", "b"]), group=g),
+        lambda d, g: d.all_reduce(_f32(2), group=g),
+        TypeError,
+        "all_reduce: tensor has dtype <U1, which commlib cannot move",
+    ),
+    "not an array": (
+        lambda d, g: d.all_reduce([1.0, 2.0], group=g),
+        lambda d, g: d.all_reduce(_f32(2), group=g),
+        TypeError,
+        "all_reduce: tensor must be a numpy array or an object with __dlpack__",
+    ),
+    "wrong size": (
+        lambda d, g: d.all_gather_into_tensor(np.zeros(10, np.float32), _f32(3), group=g),
+        lambda d, g: d.all_gather_into_tensor(np.zeros(9, np.float32), _f32(3), group=g),
+        ValueError,
+        "all_gather_into_tensor: output_tensor must have 3*3=9 elements, got 10",
+    ),
+    "dtype mismatch": (
+        lambda d, g: d.all_gather_into_tensor(np.zeros(9, np.float64), _f32(3), group=g),
+        lambda d, g: d.all_gather_into_tensor(np.zeros(9, np.float32), _f32(3), group=g),
+        TypeError,
+        "output_tensor has dtype float64 but input_tensor has dtype float32",
+    ),
+    "non-contiguous": (
+        lambda d, g: d.all_reduce(_f32(8)[::2], group=g),
+        lambda d, g: d.all_reduce(_f32(4), group=g),
+        ValueError,
+        "all_reduce: tensor must be contiguous (C order), got shape (4,) with strides (8,)",
+    ),
+    "read-only output": (
+        lambda d, g: d.all_reduce(_readonly(), group=g),
+        lambda d, g: d.all_reduce(_f32(), group=g),
+        ValueError,
+        "all_reduce: tensor is read-only",
+    ),
+    "root out of range": (
+        lambda d, g: d.broadcast(_f32(), src=7, group=g),
+        lambda d, g: d.broadcast(_f32(), BAD, g),
+        ValueError,
+        "broadcast: src=7 is not a rank of group",
+    ),
+    "group root out of range": (
+        lambda d, g: d.reduce(_f32(), group=g, group_dst=3),
+        lambda d, g: d.reduce(_f32(), 0, group=g),
+        ValueError,
+        "reduce: group_dst=3 is out of range for a group of size 3",
+    ),
+    "peer out of range": (
+        lambda d, g: d.send(_f32(), dst=9, group=g),
+        lambda d, g: d.barrier(group=g),
+        ValueError,
+        "send: dst=9 is not a rank of group",
+    ),
+    "peer is self": (
+        lambda d, g: d.send(_f32(), dst=BAD, group=g),
+        lambda d, g: d.barrier(group=g),
+        ValueError,
+        "send: dst must be another rank",
+    ),
+    "AVG on integers": (
+        lambda d, g: d.all_reduce(np.ones(2, np.int32), d.ReduceOp.AVG, g),
+        lambda d, g: d.all_reduce(np.ones(2, np.int32), d.ReduceOp.SUM, g),
+        TypeError,
+        "op=ReduceOp.AVG is not defined for dtype int32: AVG would truncate integers",
+    ),
+    "bitwise on floats": (
+        lambda d, g: d.all_reduce(_f32(), d.ReduceOp.BXOR, g),
+        lambda d, g: d.all_reduce(_f32(), group=g),
+        TypeError,
+        "op=ReduceOp.BXOR is not defined for dtype float32: bitwise ops need an integer",
+    ),
+    "unknown op": (
+        lambda d, g: d.all_reduce(_f32(), "median", g),
+        lambda d, g: d.all_reduce(_f32(), group=g),
+        ValueError,
+        "all_reduce: op must be a ReduceOp (SUM, PRODUCT",
+    ),
+    "wrong list length": (
+        lambda d, g: d.all_gather([_f32(2)] * 2, _f32(2), group=g),
+        lambda d, g: d.all_gather([_f32(2) for _ in range(3)], _f32(2), group=g),
+        ValueError,
+        "all_gather: tensor_list must hold one tensor per rank (3), got 2",
+    ),
+    "gather_list on non-root": (
+        lambda d, g: d.gather(_f32(), [_f32()] * 3, dst=0, group=g),
+        lambda d, g: d.gather(_f32(), [_f32() for _ in range(3)] if d.get_rank() == 0 else None, dst=0, group=g),
+        ValueError,
+        "gather: gather_list must not be given on ranks other than the destination",
+    ),
+    "bad split sizes": (
+        lambda d, g: d.all_to_all_single(_f32(3), _f32(3), [1, 1, 1], [1, 1, 2], group=g),
+        lambda d, g: d.all_to_all_single(_f32(3), _f32(3), group=g),
+        ValueError,
+        "input_split_sizes must sum to dim 0 (3), got sum([1, 1, 2])=4",
+    ),
+}
 # Non-root ranks of a gather or reduce may finish as soon as their data is sent; only the root must wait for rank BAD.
 MUST_TIME_OUT = {"gather_list on non-root": [0], "group root out of range": [0]}
 
@@ -82,7 +140,7 @@ def mistakes_job() -> dict:
             try:
                 bad(dist, g)
                 report[name] = ("no error", "", 0.0)
-            except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+            except Exception as e:
                 report[name] = (type(e).__name__, str(e), 0.0)
             continue
         start = time.monotonic()

@@ -50,21 +50,50 @@ def test_torch_distributed_script_gives_the_same_answers_as_torch(tmp_path: Path
     torch_version = tmp_path / "torch_eval.py"
     text = EXAMPLE.read_text()
     assert "import commlib as dist  # was: import torch.distributed as dist" in text
-    torch_version.write_text(text.replace("import commlib as dist  # was: import torch.distributed as dist",
-                                          "import torch.distributed as dist"))  # fmt: skip
+    torch_version.write_text(
+        text.replace(
+            "import commlib as dist  # was: import torch.distributed as dist", "import torch.distributed as dist"
+        )
+    )
     ours = _run([find_mpiexec(), "-n", "3", sys.executable, str(EXAMPLE)])
-    theirs = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
-                   "29517", str(torch_version)], env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    theirs = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "3",
+            "--master_port",
+            "29517",
+            str(torch_version),
+        ],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert theirs.returncode == 0, theirs.stderr[-3000:]
     assert _eval_output(ours.stdout) == _eval_output(theirs.stdout)
 
 
 def test_launcher_sets_the_worker_environment(tmp_path: Path) -> None:
     script = tmp_path / "show_env.py"
-    script.write_text("import os, sys\nkeys = 'RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE NODE_RANK MASTER_ADDR "
-                      "MASTER_PORT OMP_NUM_THREADS'.split()\nprint(' '.join(os.environ[k] for k in keys), sys.argv[1:])\n")  # fmt: skip
-    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", "--master_port", "1234",
-                 str(script), "--flag", "x"], env={"OMP_NUM_THREADS": ""})  # fmt: skip
+    script.write_text(
+        "import os, sys\nkeys = 'RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE NODE_RANK MASTER_ADDR "
+        "MASTER_PORT OMP_NUM_THREADS'.split()\nprint(' '.join(os.environ[k] for k in keys), sys.argv[1:])\n"
+    )
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "commlib.launch",
+            "--nproc_per_node",
+            "3",
+            "--master_port",
+            "1234",
+            str(script),
+            "--flag",
+            "x",
+        ],
+        env={"OMP_NUM_THREADS": ""},
+    )
     assert proc.returncode == 0, proc.stderr
     lines = sorted(proc.stdout.splitlines())
     assert lines == [f"[{r}] {r} {r} 3 3 0 127.0.0.1 1234 1 ['--flag', 'x']" for r in range(3)], lines
@@ -74,8 +103,19 @@ def test_launcher_logdir(tmp_path: Path) -> None:
     script = tmp_path / "hello.py"
     script.write_text("import commlib as dist\nprint('hello from', dist.get_rank())\n")
     logdir = tmp_path / "logs"
-    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "--redirect_stdout_and_stderr",
-                 "--logdir", str(logdir), str(script)])  # fmt: skip
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "commlib.launch",
+            "--nproc_per_node",
+            "2",
+            "--redirect_stdout_and_stderr",
+            "--logdir",
+            str(logdir),
+            str(script),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     assert (logdir / "rank0.stdout").read_text() == "hello from 0\n"
     assert (logdir / "rank1.stdout").read_text() == "hello from 1\n"
@@ -84,11 +124,16 @@ def test_launcher_logdir(tmp_path: Path) -> None:
 def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path: Path) -> None:
     """Rank 1 raises while the others wait in all_reduce (30-minute default timeout): the job ends at once."""
     script = tmp_path / "boom.py"
-    script.write_text("import numpy as np, commlib as dist\nif dist.get_rank() == 1:\n    raise ValueError('boom')\n"
-                      "dist.all_reduce(np.ones(3))\n")  # fmt: skip
+    script.write_text(
+        "import numpy as np, commlib as dist\nif dist.get_rank() == 1:\n    raise ValueError('boom')\n"
+        "dist.all_reduce(np.ones(3))\n"
+    )
     start = time.monotonic()
-    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script)],
-                env={"COMMLIB_TIMEOUT": "1800"}, timeout=60)  # fmt: skip
+    proc = _run(
+        [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script)],
+        env={"COMMLIB_TIMEOUT": "1800"},
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert time.monotonic() - start < 30
     assert "ValueError: boom" in proc.stdout + proc.stderr

@@ -12,8 +12,14 @@ from reference import ALL_DTYPES, group_layouts, make, ops_for, reduce, same
 
 from commlib.testing import run
 
-COLLECTIVES = ["all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single"]  # fmt: skip
+COLLECTIVES = [
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+]
 
 
 def _case(dist, groups, layouts, me, case) -> None:
@@ -66,13 +72,25 @@ def property_job(max_examples: int) -> int:
     groups = {k: None if k == "world" else dist.new_group(v) for k, v in layouts.items()}
     count = [0]
     cases = st.tuples(
-        st.sampled_from(COLLECTIVES), st.sampled_from(ALL_DTYPES), st.integers(0, 6),
-        st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple), st.integers(0, 3),
-        st.sampled_from(sorted(layouts)), st.booleans(), st.integers(0, 1000),
-    )  # fmt: skip
+        st.sampled_from(COLLECTIVES),
+        st.sampled_from(ALL_DTYPES),
+        st.integers(0, 6),
+        st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple),
+        st.integers(0, 3),
+        st.sampled_from(sorted(layouts)),
+        st.booleans(),
+        st.integers(0, 1000),
+    )
 
-    @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck), print_blob=False)  # fmt: skip
+    @settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     @given(cases)
     def check(case) -> None:
         _case(dist, groups, layouts, me, case)

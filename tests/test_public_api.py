@@ -9,6 +9,7 @@ import pytest
 import commlib
 
 # Read from torch 2.13.0+cpu with inspect.signature, annotations dropped (shared/reference/).
+# ruff: noqa: E501
 TORCH_SIGNATURES = """
 init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, group_name='', pg_options=None, device_id=None)
 destroy_process_group(group=None)

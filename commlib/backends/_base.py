@@ -91,7 +91,7 @@ DONE = Done()
 class Chained:
     """A handle that runs ``finish()`` once, after ``inner`` completes (copy-out, rounding, averaging)."""
 
-    __slots__ = ("inner", "finish")
+    __slots__ = ("finish", "inner")
 
     def __init__(self, inner: Handle, finish: Callable[[], None]) -> None:
         self.inner = inner

@@ -1,0 +1,143 @@
+"""commlib all_reduce against raw mpi4py Allreduce and torch.distributed (gloo), 2 ranks, one run.
+
+    python benchmarks/allreduce_vs_mpi4py.py            # starts its own 2 ranks under mpiexec
+    python benchmarks/allreduce_vs_mpi4py.py --max-bytes 1048576 --repeats 3
+
+All three reduce the same float32 buffer in place (torch sees it through
+torch.from_numpy). For each size every method runs ``repeats`` rounds of
+``iters`` calls, in rotating order; the table shows the median round's time per
+call (the slower of the two ranks) and the ratios. This is a benchmark, not a
+test: it prints numbers and never fails on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+TARGETS = "targets: commlib/mpi4py <= 2.0x at 8 B and <= 1.05x at >= 1 MiB; gloo/commlib >= 20x at 8 B"
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--min-bytes", type=int, default=8)
+    p.add_argument("--max-bytes", type=int, default=64 << 20)
+    p.add_argument("--repeats", type=int, default=7, help="rounds per method and size (median reported)")
+    p.add_argument("--no-torch", action="store_true", help="skip torch.distributed (gloo)")
+    p.add_argument("--json", help="also write the rows to this file")
+    return p.parse_args()
+
+
+def _iters(nbytes: int) -> int:
+    """Calls per round: about 20 ms of work at 2 GB/s, at least 3, at most 2000."""
+    return max(3, min(2000, int(0.02 * 2e9 / max(nbytes, 64))))
+
+
+def _round(fn, iters: int, barrier) -> float:
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def main() -> None:
+    args = _parse()
+    if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
+        from commlib._mpiexec import find_mpiexec
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+        code = subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env)
+        raise SystemExit(code)
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import commlib as dist
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    dist.init_process_group("mpi")
+    methods = {}
+    buf = np.zeros(args.max_bytes // 4, np.float32)
+    use_torch = not args.no_torch
+    if use_torch:
+        import torch
+        import torch.distributed as tdist
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(comm.Get_size()))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        tdist.init_process_group("gloo")
+        torch.set_num_threads(1)
+    rows = []
+    nbytes = args.min_bytes
+    while nbytes <= args.max_bytes:
+        x = buf[: nbytes // 4]
+        methods = {
+            "mpi4py": lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
+            "commlib": lambda x=x: dist.all_reduce(x),
+        }
+        if use_torch:
+            t = torch.from_numpy(x)
+            methods["gloo"] = lambda t=t: tdist.all_reduce(t)
+        iters = _iters(nbytes)
+        times = {name: [] for name in methods}
+        for fn in methods.values():  # warm-up
+            _round(fn, max(1, iters // 10), comm.Barrier)
+        for r in range(args.repeats):
+            names = list(methods)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                local = _round(methods[name], iters, comm.Barrier)
+                times[name].append(comm.allreduce(local, op=MPI.MAX))
+        row = {"bytes": nbytes, **{f"{k}_us": statistics.median(v) * 1e6 for k, v in times.items()}}
+        rows.append(row)
+        if rank == 0:
+            _print_row(row, first=len(rows) == 1)
+        nbytes *= 2
+    if rank == 0:
+        _summary(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "mpi": MPI.Get_library_version().splitlines()[0]}, f, indent=1)
+    if use_torch:
+        tdist.destroy_process_group()
+    dist.destroy_process_group()
+
+
+def _print_row(row: dict, first: bool) -> None:
+    gloo = "gloo_us" in row
+    if first:
+        print("# commlib all_reduce vs raw mpi4py Allreduce" + (" vs torch.distributed gloo" if gloo else ""))
+        print("# 2 ranks, float32 SUM in place, median per-call time of the slower rank (us)")
+        head = f"{'bytes':>10} {'mpi4py':>10} {'commlib':>10}" + (f" {'gloo':>10}" if gloo else "")
+        print(head + f" {'commlib/mpi4py':>15}" + (f" {'gloo/commlib':>13}" if gloo else ""))
+    line = f"{row['bytes']:>10} {row['mpi4py_us']:>10.2f} {row['commlib_us']:>10.2f}"
+    if gloo:
+        line += f" {row['gloo_us']:>10.2f}"
+    line += f" {row['commlib_us'] / row['mpi4py_us']:>14.3f}x"
+    if gloo:
+        line += f" {row['gloo_us'] / row['commlib_us']:>12.1f}x"
+    print(line, flush=True)
+
+
+def _summary(rows: list[dict]) -> None:
+    small = rows[0]
+    big = [r for r in rows if r["bytes"] >= 1 << 20]
+    print("#", TARGETS)
+    print(f"# at {small['bytes']} B: commlib/mpi4py = {small['commlib_us'] / small['mpi4py_us']:.2f}x", end="")
+    if "gloo_us" in small:
+        print(f", gloo/commlib = {small['gloo_us'] / small['commlib_us']:.1f}x", end="")
+    print()
+    if big:
+        worst = max(r["commlib_us"] / r["mpi4py_us"] for r in big)
+        print(f"# at >= 1 MiB: worst commlib/mpi4py = {worst:.3f}x over {len(big)} sizes")
+
+
+if __name__ == "__main__":
+    main()
