@@ -96,11 +96,12 @@ def init_process_group(
             f"init_process_group: init_method must start with env://, tcp:// or file://, got {init_method!r}"
         )
     seconds = _default_timeout(name) if timeout is None else as_seconds(timeout, "init_process_group")
-    if _state.world is None:
-        _state.world = _make_world(name, seconds, world_size, rank)
-    _check_explicit(_state.world, world_size, rank)
-    _state.world.timeout = seconds
-    _state.implicit = False
+    world = _state.world or _make_world(name, seconds, world_size, rank)
+    _check_explicit(world, world_size, rank)  # before anything is recorded: a refused call changes nothing
+    world.timeout = seconds
+    _state.world, _state.implicit = world, False
+    if world not in _state.groups:
+        _state.groups.insert(0, world)
 
 
 def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1) -> ProcessGroup:
@@ -116,11 +117,9 @@ def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1)
             f"`mpiexec -n {expected} python script.py` or "
             f"`python -m commlib.launch --nproc_per_node {expected} script.py`"
         )
-    world = ProcessGroup(
+    return ProcessGroup(
         backend, list(range(backend.size)), backend.rank, "world", timeout, f"[rank {backend.rank}/{backend.size}] "
     )
-    _state.groups = [world]
-    return world
 
 
 def _check_explicit(world: ProcessGroup, world_size: int, rank: int) -> None:
@@ -145,7 +144,7 @@ def resolve(group: ProcessGroup | None, call: str) -> ProcessGroup:
 def _implicit_world() -> ProcessGroup:
     name = _choose_backend(None)
     _state.world = _make_world(name, _default_timeout(name))
-    _state.implicit = True
+    _state.implicit, _state.groups = True, [_state.world]
     return _state.world
 
 

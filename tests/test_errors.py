@@ -238,3 +238,56 @@ def test_launcher_environment_without_mpi_launcher_is_explained() -> None:
     assert proc.returncode != 0
     assert "says this is rank 1 of 2, but MPI sees a single process" in proc.stderr, proc.stderr
     assert "mpiexec -n 2" in proc.stderr
+
+
+def not_a_member_job() -> str:
+    """Rank 1 calls a collective on a group of ranks 0 and 2; the members are not held up."""
+    import commlib as dist
+
+    g = dist.new_group([0, 2])
+    x = np.ones(3)
+    if dist.get_rank() == 1:
+        try:
+            dist.all_reduce(x, group=g)
+        except ValueError as e:
+            return str(e) if (x == 1).all() else "buffer changed"
+        return "no error"
+    dist.all_reduce(x, group=g)
+    return str(x.tolist())
+
+
+def test_rank_not_in_group() -> None:
+    results = run(not_a_member_job, 3, timeout=60)
+    assert results[1] == "[rank 1/3] all_reduce: this rank is not a member of group 'group1' (ranks [0, 2])"
+    assert results[0] == results[2] == "[2.0, 2.0, 2.0]"
+
+
+def implicit_init_job() -> tuple:
+    """Before init_process_group nothing is initialised; the first call joins the job; explicit init after
+    an implicit one is accepted when it agrees, and a second explicit init is refused."""
+    import commlib as dist
+
+    before = dist.is_initialized()
+    rank = dist.get_rank()
+    after = dist.is_initialized()
+    dist.init_process_group(backend="mpi", world_size=2, rank=rank, timeout=5)
+    try:
+        dist.init_process_group()
+        again = "no error"
+    except RuntimeError as e:
+        again = str(e)
+    try:
+        dist.destroy_process_group()
+        dist.init_process_group(world_size=3)
+        wrong = "no error"
+    except ValueError as e:
+        wrong = str(e)
+    dist.init_process_group(world_size=2)  # the refused call left nothing behind
+    return before, after, again, wrong
+
+
+def test_implicit_and_explicit_initialisation() -> None:
+    for before, after, again, wrong in run(implicit_init_job, 2, timeout=60):
+        assert (before, after) == (False, True)
+        assert "the default group is already initialised" in again
+        assert wrong == "init_process_group: world_size=3, but the job has 2 ranks"

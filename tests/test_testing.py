@@ -95,6 +95,13 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # the process ended in between
+        return []
+
+
 def _job_processes(spec_dir: Path) -> list[int]:
     """Pids of processes whose command line mentions the spec dir (mpiexec, ranks)."""
     needle = os.fsencode(spec_dir)
@@ -242,11 +249,12 @@ def test_job_dies_with_a_killed_parent() -> None:
         while len(pids := _marked_processes(marker)) < 4:
             assert time.monotonic() < end and parent.poll() is None, "the job never started"
             time.sleep(0.05)
+        # Read the command lines while the job surely runs: once the parent is killed it may vanish at once.
+        argvs = [_cmdline(pid) for pid in pids]
     finally:
         parent.kill()
         parent.wait()
     # The killed parent could not remove its spec dir: the last argument of mpiexec and the ranks.
-    argvs = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in pids]
     spec_dir = Path(os.fsdecode(next(argv[-2] for argv in argvs if b"commlib.testing._worker" in argv)))
     end = time.monotonic() + 10
     while _marked_processes(marker):
