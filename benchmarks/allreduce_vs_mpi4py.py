@@ -27,15 +27,19 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--min-bytes", type=int, default=8)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
-    p.add_argument("--repeats", type=int, default=7, help="rounds per method and size (median reported)")
+    p.add_argument("--repeats", type=int, default=21, help="rounds per method and size (median reported)")
     p.add_argument("--no-torch", action="store_true", help="skip torch.distributed (gloo)")
     p.add_argument("--json", help="also write the rows to this file")
     return p.parse_args()
 
 
 def _iters(nbytes: int) -> int:
-    """Calls per round: about 20 ms of work at 2 GB/s, at least 3, at most 2000."""
-    return max(3, min(2000, int(0.02 * 2e9 / max(nbytes, 64))))
+    """Calls per round: about 5 ms of work at 2 GB/s, at least 2, at most 1000.
+
+    Short rounds, many of them, in rotating order: on a shared machine noise comes
+    in bursts, and the median of many short interleaved rounds shrugs them off.
+    """
+    return max(1, min(1000, int(0.005 * 2e9 / max(nbytes, 64))))
 
 
 def _round(fn, iters: int, barrier) -> float:
@@ -75,6 +79,7 @@ def main() -> None:
         os.environ.setdefault("MASTER_PORT", "29533")
         tdist.init_process_group("gloo")
         torch.set_num_threads(1)
+    _warm_up(comm, dist, tdist if use_torch else None, torch if use_torch else None)
     rows = []
     nbytes = args.min_bytes
     while nbytes <= args.max_bytes:
@@ -90,12 +95,15 @@ def main() -> None:
         times = {name: [] for name in methods}
         for fn in methods.values():  # warm-up
             _round(fn, max(1, iters // 10), comm.Barrier)
-        for r in range(args.repeats):
+        # Large sizes: one call per round, so the methods alternate call by call, and more rounds.
+        repeats = args.repeats if iters > 1 else 2 * args.repeats
+        for r in range(repeats):
             names = list(methods)
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 local = _round(methods[name], iters, comm.Barrier)
                 times[name].append(comm.allreduce(local, op=MPI.MAX))
         row = {"bytes": nbytes, **{f"{k}_us": statistics.median(v) * 1e6 for k, v in times.items()}}
+        row.update({f"{k}_min_us": min(v) * 1e6 for k, v in times.items()})
         rows.append(row)
         if rank == 0:
             _print_row(row, first=len(rows) == 1)
@@ -108,6 +116,27 @@ def main() -> None:
     if use_torch:
         tdist.destroy_process_group()
     dist.destroy_process_group()
+
+
+def _warm_up(comm, dist, tdist, torch) -> None:
+    """First calls pay for connection setup and page faults: keep them out of the first row."""
+    import numpy as np
+
+    x = np.zeros(1024, np.float32)
+    for _ in range(2000):
+        comm.Allreduce(MPI_IN_PLACE(), x)
+        dist.all_reduce(x)
+    if tdist is not None:
+        t = torch.from_numpy(x)
+        for _ in range(200):
+            tdist.all_reduce(t)
+    comm.Barrier()
+
+
+def MPI_IN_PLACE():
+    from mpi4py import MPI
+
+    return MPI.IN_PLACE
 
 
 def _print_row(row: dict, first: bool) -> None:

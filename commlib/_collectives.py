@@ -93,11 +93,10 @@ def all_reduce(
         a = host_array(tensor, g, "all_reduce", "tensor")
     if op is not _SUM:  # SUM is defined for every dtype; skip the check on the hot path
         op = _op(op, a.dtype, g, "all_reduce")
-    handle = g.backend.all_reduce(a, a, op)
-    if async_op or g.pending:
-        return g.run(handle, "all_reduce", async_op)
-    g.seq += 1  # ProcessGroup.run's blocking path, inlined
-    if not handle.wait(g.timeout):
+    if async_op or g.pending or g.all_reduce_wait is None:
+        return g.run(g.backend.all_reduce(a, a, op), "all_reduce", async_op)
+    g.seq += 1  # a blocking call with nothing pending: the backend's fused post-and-wait, if it has one
+    if not g.all_reduce_wait(a, op, g.timeout):
         g.fail_timeout("all_reduce", g.seq, g.timeout)
     return None
 

@@ -27,7 +27,19 @@ def as_seconds(timeout: object, where: str) -> float:
 class ProcessGroup:
     """A set of ranks that communicate together: the world, or what ``new_group`` returns."""
 
-    __slots__ = ("backend", "broken", "label", "name", "pending", "rank", "ranks", "seq", "size", "timeout")
+    __slots__ = (
+        "all_reduce_wait",
+        "backend",
+        "broken",
+        "label",
+        "name",
+        "pending",
+        "rank",
+        "ranks",
+        "seq",
+        "size",
+        "timeout",
+    )
 
     def __init__(self, backend: Any, ranks: list[int], rank: int, name: str, timeout: float, label: str) -> None:
         self.backend = backend  # None on ranks outside the group
@@ -40,6 +52,8 @@ class ProcessGroup:
         self.seq = 0  # collectives issued so far, for error messages
         self.pending: collections.deque[Work] = collections.deque()
         self.broken: BaseException | None = None
+        # Optional backend fast path for a blocking in-place all_reduce (see backends/_base.py).
+        self.all_reduce_wait = getattr(backend, "all_reduce_wait", None)
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"

@@ -159,7 +159,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     for g in targets:
         if g.backend is not None and g.broken is None and g is not _state.world:
             g.backend.close()
-        g.backend = None
+        g.backend = g.all_reduce_wait = None
         if g in _state.groups:
             _state.groups.remove(g)
     if group is None or group is _state.world:

@@ -21,7 +21,9 @@ semantics: the calls in between may be posted in any order without deadlock),
 ``split(ranks, timeout)`` (collective over this communicator; returns the
 sub-backend, or None on ranks outside ``ranks``), ``abort()``, ``rank``, ``size``,
 ``name``. A backend may also provide native ``all_to_all``, ``gather`` and
-``scatter``; otherwise commlib composes them from send/recv (``commlib._composed``).
+``scatter``; otherwise commlib composes them from send/recv (``commlib._composed``);
+and ``all_reduce_wait(buf, op, timeout) -> bool``, a fused in-place all_reduce
+plus wait for the blocking call, where a handle object would cost latency.
 """
 
 from __future__ import annotations

@@ -163,6 +163,7 @@ class MpiBackend:
         # COMMLIB_MPI_COMPOSED=1 routes all_to_all/gather/scatter through commlib's send/recv
         # compositions (the code path backends without native calls use), for testing them.
         self.native_composites = os.environ.get("COMMLIB_MPI_COMPOSED") != "1"
+        self._abandoned: list[tuple[MPI.Request, np.ndarray]] = []
 
     # -- reductions -------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Handle:
@@ -179,6 +180,30 @@ class MpiBackend:
         if op is ReduceOp.AVG:
             return Chained(req, functools.partial(np.divide, recvbuf, self.size, out=recvbuf))
         return req
+
+    def all_reduce_wait(self, buf: np.ndarray, op: ReduceOp, timeout: float) -> bool:
+        """Blocking in-place all_reduce: True once done, False if ``timeout`` passed first.
+
+        The latency-critical path of ``commlib.all_reduce``: no handle object, the bare
+        request polled in a tight loop. A timed-out request is kept referenced (MPI may
+        still write into ``buf``) and the group layer fences the communicator off.
+        """
+        dtype = buf.dtype
+        if op is _AVG or dtype in LOW_PRECISION:
+            return self.all_reduce(buf, buf, op).wait(timeout)
+        t, mop = _REDUCTIONS[dtype, op]
+        req = self.comm.Iallreduce(_IN_PLACE, [buf, t], mop)
+        test = req.Test
+        try:
+            for _ in _FAST_POLLS:
+                if test():
+                    return True
+            if poll(test, timeout):
+                return True
+        except MPI.Exception as e:
+            raise _mpi_error(e) from None
+        self._abandoned.append((req, buf))
+        return False
 
     def reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, root: int) -> Handle:
         dtype = recvbuf.dtype
