@@ -13,7 +13,7 @@ import numpy as np
 
 from commlib._ops import ReduceOp
 
-__all__ = ["DTYPES", "LOW_PRECISION", "check_op", "host_array", "same_kind"]
+__all__ = ["DTYPES", "LOW_PRECISION", "address", "check_op", "host_array", "same_kind"]
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -105,3 +105,9 @@ def same_kind(a: np.ndarray, ref: np.ndarray, ctx: object, call: str, arg: str, 
         raise TypeError(
             f"{ctx.label}{call}: {arg} has dtype {a.dtype} but {ref_arg} has dtype {ref.dtype}; they must match"
         )
+
+
+def address(a: object) -> int:
+    """The address of ``a``'s first element (host or device)."""
+    iface = getattr(a, "__array_interface__", None) or a.__cuda_array_interface__
+    return iface["data"][0]

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib._arrays import DTYPES, check_op, host_array, same_kind
+from commlib._arrays import DTYPES, address, check_op, same_kind
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
 from commlib._world import _state as _world
@@ -35,6 +35,10 @@ def _op(op: Any, dtype: np.dtype, g: ProcessGroup, call: str) -> ReduceOp:
     if type(op) is not ReduceOp:
         op = as_reduce_op(op, f"{g.label}{call}")
     check_op(op, dtype, g, call)
+    if g.check_reduction is not None and (why := g.check_reduction(dtype, op)):
+        raise TypeError(
+            f"{g.label}{call}: op={op} on dtype {dtype} is not supported by the {g.backend_name} backend: {why}"
+        )
     return op
 
 
@@ -52,8 +56,7 @@ def root_rank(g: ProcessGroup, call: str, rank: Any, group_rank: Any, arg: str, 
 
 
 def _is_chunk(part: np.ndarray, whole: np.ndarray, index: int) -> bool:
-    start = whole.__array_interface__["data"][0] + index * part.nbytes
-    return part.__array_interface__["data"][0] == start and part.size * (index + 1) <= whole.size
+    return address(part) == address(whole) + index * part.nbytes and part.size * (index + 1) <= whole.size
 
 
 def _check_count(g: ProcessGroup, call: str, arg: str, a: np.ndarray, n: int, each: int) -> None:
@@ -71,7 +74,7 @@ def check_list(
         raise ValueError(f"{g.label}{call}: {arg} must hold one tensor per rank ({g.size}), got {len(items)}")
     out = []
     for i, item in enumerate(items):
-        a = host_array(item, g, call, f"{arg}[{i}]", writable)
+        a = g.array(item, g, call, f"{arg}[{i}]", writable)
         same_kind(a, like, g, call, f"{arg}[{i}]", "tensor")
         if count is not None and a.size != count:
             raise ValueError(f"{g.label}{call}: {arg}[{i}] must have {count} elements like the tensor, got {a.size}")
@@ -89,9 +92,16 @@ def all_reduce(
     if g is None or type(g) is not ProcessGroup or g.broken is not None or g.backend is None:
         g = resolve(group, "all_reduce")
     a = tensor
-    if type(a) is not np.ndarray or not (f := a.flags).writeable or not f.c_contiguous or a.dtype not in DTYPES:
-        a = host_array(tensor, g, "all_reduce", "tensor")
-    if op is not _SUM:  # SUM is defined for every dtype; skip the check on the hot path
+    if (
+        type(a) is not np.ndarray
+        or not g.host
+        or not (f := a.flags).writeable
+        or not f.c_contiguous
+        or a.dtype not in DTYPES
+    ):
+        a = g.array(tensor, g, "all_reduce", "tensor")
+    # SUM is defined for every dtype on mpi: skip the op check on the hot path there
+    if op is not _SUM or g.check_reduction is not None:
         op = _op(op, a.dtype, g, "all_reduce")
     if async_op or g.pending or g.all_reduce_wait is None:
         return g.run(g.backend.all_reduce(a, a, op), "all_reduce", async_op)
@@ -110,7 +120,7 @@ def broadcast(
 ) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
     g = resolve(group, "broadcast")
-    a = host_array(tensor, g, "broadcast", "tensor")
+    a = g.array(tensor, g, "broadcast", "tensor")
     root = root_rank(g, "broadcast", src, group_src, "src")
     return g.run(g.backend.broadcast(a, root), "broadcast", async_op)
 
@@ -125,7 +135,7 @@ def reduce(
 ) -> Work | None:
     """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
     g = resolve(group, "reduce")
-    a = host_array(tensor, g, "reduce", "tensor")
+    a = g.array(tensor, g, "reduce", "tensor")
     op = _op(op, a.dtype, g, "reduce")
     root = root_rank(g, "reduce", dst, group_dst, "dst")
     return g.run(g.backend.reduce(a, a, op, root), "reduce", async_op)
@@ -137,12 +147,12 @@ def all_gather_into_tensor(
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
     call = "all_gather_into_tensor"
     g = resolve(group, call)
-    out = host_array(output_tensor, g, call, "output_tensor")
-    inp = host_array(input_tensor, g, call, "input_tensor", writable=False)
+    out = g.array(output_tensor, g, call, "output_tensor")
+    inp = g.array(input_tensor, g, call, "input_tensor", writable=False)
     same_kind(out, inp, g, call, "output_tensor", "input_tensor")
     _check_count(g, call, "output_tensor", out, g.size, inp.size)
     send: np.ndarray | None = inp
-    if np.may_share_memory(out, inp):
+    if g.xp.may_share_memory(out, inp):
         send = None if _is_chunk(inp, out, g.rank) else inp.copy()
     return g.run(g.backend.all_gather(send, out), call, async_op)
 
@@ -153,9 +163,9 @@ def all_gather(
     """Gather every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
     call = "all_gather"
     g = resolve(group, call)
-    inp = host_array(tensor, g, call, "tensor", writable=False)
+    inp = g.array(tensor, g, call, "tensor", writable=False)
     outs = check_list(g, call, "tensor_list", tensor_list, inp, writable=True, count=inp.size)
-    flat = np.empty(g.size * inp.size, inp.dtype)
+    flat = g.xp.empty(g.size * inp.size, inp.dtype)
     handle = g.backend.all_gather(inp, flat)
     return g.run(Chained(handle, lambda: _unpack(flat, outs)), call, async_op)
 
@@ -172,12 +182,12 @@ def reduce_scatter_tensor(
     """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
     call = "reduce_scatter_tensor"
     g = resolve(group, call)
-    out = host_array(output, g, call, "output")
-    inp = host_array(input, g, call, "input", writable=False)
+    out = g.array(output, g, call, "output")
+    inp = g.array(input, g, call, "input", writable=False)
     same_kind(out, inp, g, call, "output", "input")
     _check_count(g, call, "input", inp, g.size, out.size)
     op = _op(op, out.dtype, g, call)
-    if np.may_share_memory(out, inp):
+    if g.xp.may_share_memory(out, inp):
         inp = inp.copy()  # MPI reduces in place only at offset 0; a copy keeps any aliasing correct
     return g.run(g.backend.reduce_scatter(inp, out, op), call, async_op)
 
@@ -188,10 +198,10 @@ def reduce_scatter(
     """Reduce ``input_list[i]`` across the group into rank i's ``output``."""
     call = "reduce_scatter"
     g = resolve(group, call)
-    out = host_array(output, g, call, "output")
+    out = g.array(output, g, call, "output")
     ins = check_list(g, call, "input_list", input_list, out, writable=False, count=out.size)
     op = _op(op, out.dtype, g, call)
-    send = np.concatenate([a.reshape(-1) for a in ins]) if ins else np.empty(0, out.dtype)
+    send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins else g.xp.empty(0, out.dtype)
     return g.run(g.backend.reduce_scatter(send, out, op), call, async_op)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib._arrays import host_array, same_kind
+from commlib._arrays import same_kind
 from commlib._collectives import check_list, root_rank
 from commlib._group import ProcessGroup, Work
 from commlib._world import resolve
@@ -124,12 +124,12 @@ def all_to_all_single(
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
     g = resolve(group, call)
-    out = host_array(output, g, call, "output")
-    inp = host_array(input, g, call, "input", writable=False)
+    out = g.array(output, g, call, "output")
+    inp = g.array(input, g, call, "input", writable=False)
     same_kind(out, inp, g, call, "output", "input")
     sc = _splits(g, call, "input_split_sizes", input_split_sizes, inp)
     rc = _splits(g, call, "output_split_sizes", output_split_sizes, out)
-    if np.may_share_memory(out, inp):
+    if g.xp.may_share_memory(out, inp):
         inp = inp.copy()
     return g.run(_all_to_all(g, inp, sc, out, rc), call, async_op)
 
@@ -144,11 +144,11 @@ def all_to_all(
         raise TypeError(
             f"{g.label}{call}: input_tensor_list must be a list of {g.size} tensors, got {input_tensor_list!r}"
         )
-    first = host_array(input_tensor_list[0], g, call, "input_tensor_list[0]", writable=False)
+    first = g.array(input_tensor_list[0], g, call, "input_tensor_list[0]", writable=False)
     ins = check_list(g, call, "input_tensor_list", input_tensor_list, first, writable=False)
     outs = check_list(g, call, "output_tensor_list", output_tensor_list, first, writable=True)
-    send = np.concatenate([a.reshape(-1) for a in ins])
-    recv = np.empty(sum(a.size for a in outs), first.dtype)
+    send = g.xp.concatenate([a.reshape(-1) for a in ins])
+    recv = g.xp.empty(sum(a.size for a in outs), first.dtype)
     handle = _all_to_all(g, send, [a.size for a in ins], recv, [a.size for a in outs])
     return g.run(Chained(handle, lambda: _unpack(recv, outs)), call, async_op)
 
@@ -178,13 +178,13 @@ def gather(
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
     call = "gather"
     g = resolve(group, call)
-    inp = host_array(tensor, g, call, "tensor", writable=False)
+    inp = g.array(tensor, g, call, "tensor", writable=False)
     root = root_rank(g, call, dst, group_dst, "dst", default=0)
     _only_on_root(g, call, "gather_list", gather_list, g.rank == root, "destination")
     outs, flat = None, None
     if g.rank == root:
         outs = check_list(g, call, "gather_list", gather_list, inp, writable=True, count=inp.size)
-        flat = np.empty(g.size * inp.size, inp.dtype)
+        flat = g.xp.empty(g.size * inp.size, inp.dtype)
     handle = gather_handle(g, inp, flat, root)
     if outs is not None:
         handle = Chained(handle, lambda: _unpack(flat, outs))
@@ -202,12 +202,12 @@ def scatter(
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
     call = "scatter"
     g = resolve(group, call)
-    out = host_array(tensor, g, call, "tensor")
+    out = g.array(tensor, g, call, "tensor")
     root = root_rank(g, call, src, group_src, "src", default=0)
     _only_on_root(g, call, "scatter_list", scatter_list, g.rank == root, "source")
     send = None
     if g.rank == root:
         ins = check_list(g, call, "scatter_list", scatter_list, out, writable=False, count=out.size)
-        send = np.concatenate([a.reshape(-1) for a in ins])
+        send = g.xp.concatenate([a.reshape(-1) for a in ins])
     handle = scatter_handle(g, send, out, root)
     return g.run(handle, call, async_op)

@@ -6,6 +6,9 @@ import collections
 import datetime
 from typing import Any
 
+import numpy as np
+
+from commlib._arrays import host_array
 from commlib.errors import CommError, CommTimeoutError, GroupBrokenError
 
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
@@ -29,8 +32,11 @@ class ProcessGroup:
 
     __slots__ = (
         "all_reduce_wait",
+        "array",
         "backend",
         "broken",
+        "check_reduction",
+        "host",
         "label",
         "name",
         "pending",
@@ -39,6 +45,7 @@ class ProcessGroup:
         "seq",
         "size",
         "timeout",
+        "xp",
     )
 
     def __init__(self, backend: Any, ranks: list[int], rank: int, name: str, timeout: float, label: str) -> None:
@@ -54,6 +61,11 @@ class ProcessGroup:
         self.broken: BaseException | None = None
         # Optional backend fast path for a blocking in-place all_reduce (see backends/_base.py).
         self.all_reduce_wait = getattr(backend, "all_reduce_wait", None)
+        # What arrays the backend takes: host numpy arrays (mpi, the nccl emulator) or device arrays.
+        self.xp = getattr(backend, "xp", np)
+        self.array = getattr(backend, "validate", host_array)
+        self.host = getattr(backend, "host", True)
+        self.check_reduction = getattr(backend, "check_reduction", None)  # backend-specific (dtype, op) limits
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from commlib._arrays import host_array
 from commlib._group import ProcessGroup, Work
 from commlib._world import resolve
 
@@ -36,14 +35,14 @@ def _tag(g: ProcessGroup, call: str, tag: Any) -> int:
 
 def _post_send(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> Work:
     g = resolve(group, call)
-    a = host_array(tensor, g, call, "tensor", writable=False)
+    a = g.array(tensor, g, call, "tensor", writable=False)
     peer = _peer(g, call, dst, group_dst, "dst")
     return Work(g, g.backend.send(a, peer, _tag(g, call, tag)), call, 0, ordered=False)
 
 
 def _post_recv(tensor: Any, src: Any, group: Any, tag: Any, group_src: Any, call: str) -> Work:
     g = resolve(group, call)
-    a = host_array(tensor, g, call, "tensor")
+    a = g.array(tensor, g, call, "tensor")
     peer = _peer(g, call, src, group_src, "src", any_ok=True)
     return Work(g, g.backend.recv(a, peer, _tag(g, call, tag)), call, 0, ordered=False)
 
@@ -122,7 +121,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     plan = []
     for i, p in enumerate(p2p_op_list):
         recv = p.op is irecv
-        a = host_array(p.tensor, g, call, f"p2p_op_list[{i}].tensor", writable=recv)
+        a = g.array(p.tensor, g, call, f"p2p_op_list[{i}].tensor", writable=recv)
         peer = _peer(g, call, p.peer, p.group_peer, "peer")
         plan.append((recv, a, peer, _tag(g, call, p.tag)))
     b = g.backend
