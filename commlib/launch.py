@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlib._mpiexec import find_mpiexec
+from commlib._mpiexec import find_mpiexec, kill_group_or_process, pid_alive
 
 __all__ = ["build_command", "main", "parse_args"]
+
+_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the other workers when one fails
 
 
 def _nproc(value: str) -> int:
@@ -112,18 +117,106 @@ def build_command(args: argparse.Namespace) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the job; return its exit code (128 + N when a worker was killed by signal N)."""
     args = parse_args(argv)
-    env = dict(os.environ)
-    if not env.get("OMP_NUM_THREADS"):
-        env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
-    proc = subprocess.Popen(build_command(args), env=env)
+    with tempfile.TemporaryDirectory(prefix="commlib-launch-") as status:
+        env = dict(os.environ, COMMLIB_LAUNCH_STATUS=status)
+        if not env.get("OMP_NUM_THREADS"):
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
+        proc = subprocess.Popen(build_command(args), env=env)
 
-    def forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signal.SIGTERM)  # hydra stops every rank on SIGTERM
+        def forward(signum: int, _frame: object) -> None:
+            proc.send_signal(signal.SIGTERM)  # hydra stops every rank on SIGTERM
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, forward)
-    code = proc.wait()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, forward)
+        code, failure = _supervise(proc, Path(status), args.nproc_per_node)
+    if failure is not None:
+        rank, rank_code, why = failure
+        where = Path(args.logdir) / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
+        print(f"commlib.launch: rank {rank} failed ({why}); log: {where}; the job was stopped",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return rank_code or code or 1
     return 128 - code if code < 0 else code
+
+
+def _supervise(proc: subprocess.Popen, status: Path, n: int) -> tuple[int, tuple[int, int, str] | None]:
+    """Wait for the job; when a worker fails, stop the others (SIGTERM, then SIGKILL after the grace)."""
+    failure, kill_at, gone, watch = None, None, {}, _Exits(status, n)
+    while (code := proc.poll()) is None:
+        watch.wait(0.05, gone)
+        if failure is None and (failure := _first_failure(status, n, gone)) is not None:
+            proc.send_signal(signal.SIGTERM)
+            kill_at = time.monotonic() + _GRACE
+        elif kill_at is not None and time.monotonic() > kill_at:
+            _kill_workers(status, n)
+            proc.kill()
+            kill_at = None
+    watch.wait(0, gone)
+    watch.close()
+    _kill_workers(status, n)  # whatever hydra left behind (ranks run in sessions of their own)
+    return code, failure or _first_failure(status, n, gone)
+
+
+class _Exits:
+    """Notices worker exits the moment they happen, through pidfds (the workers are hydra's children).
+
+    When one worker is killed by a signal hydra SIGKILLs the rest within
+    milliseconds; waking on the first exit is what tells the culprit apart.
+    """
+
+    def __init__(self, status: Path, n: int) -> None:
+        self.status, self.n, self.fds = status, n, {}
+
+    def wait(self, timeout: float, gone: dict[int, float]) -> None:
+        for rank in range(self.n):
+            pid = self.status / f"rank{rank}.pid"
+            if rank not in self.fds and pid.exists():
+                try:
+                    self.fds[rank] = os.pidfd_open(int(pid.read_text()))
+                except (OSError, AttributeError, ValueError):
+                    self.fds[rank] = None  # already gone, or no pidfd here: _first_failure polls the pid
+        ready, _, _ = select.select([fd for fd in self.fds.values() if fd is not None], [], [], timeout)
+        now = time.monotonic()
+        for rank, fd in self.fds.items():
+            if fd in ready and not (self.status / f"rank{rank}.exit").exists():
+                gone.setdefault(rank, now)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            if fd is not None:
+                os.close(fd)
+
+
+def _first_failure(status: Path, n: int, gone: dict[int, float]) -> tuple[int, int, str] | None:
+    """(rank, exit code, reason) of the first worker that failed, from the workers' notes and pids.
+
+    A worker that wrote no note died by a signal; hydra then SIGKILLs the others at
+    once, so the culprit is the one that vanished first (``gone`` remembers when).
+    """
+    failed = []
+    for rank in range(n):
+        note, pid = status / f"rank{rank}.exit", status / f"rank{rank}.pid"
+        if note.exists():
+            code, _, why = note.read_text().partition(" ")
+            if code != "0":
+                failed.append((note.stat().st_mtime, rank, int(code), f"exit code {code}: {why}"))
+        elif pid.exists() and not pid_alive(int(pid.read_text())):
+            gone.setdefault(rank, time.monotonic())
+    if failed:
+        return min(failed)[1:]
+    if gone:
+        first = min(gone.values())
+        ranks = sorted(r for r, t in gone.items() if t == first)
+        if len(ranks) == 1:
+            return ranks[0], 0, "it died without exiting normally, e.g. killed by a signal"
+        return ranks[0], 0, f"ranks {ranks} died at once without exiting normally (one was killed by a signal)"
+    return None
+
+
+def _kill_workers(status: Path, n: int) -> None:
+    for rank in range(n):
+        pid = status / f"rank{rank}.pid"
+        if pid.exists() and pid_alive(int(pid.read_text())):
+            kill_group_or_process(int(pid.read_text()))
 
 
 if __name__ == "__main__":

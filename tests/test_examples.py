@@ -149,3 +149,69 @@ def test_launcher_rejects_bad_flags() -> None:
 
 def test_console_script_is_installed() -> None:
     assert shutil.which("commlib-launch") or (Path(sys.executable).parent / "commlib-launch").exists()
+
+
+CRASH = """
+import os, signal, sys, time
+import numpy as np
+import commlib as dist
+mode, bad = sys.argv[1], int(sys.argv[2])
+for step in range(1000):
+    if step == 5 and dist.get_rank() == bad:
+        if mode == "raise":
+            raise RuntimeError(f"step {step} went wrong")
+        if mode == "exit":
+            sys.exit(3)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "hang":
+            time.sleep(1000)
+    dist.all_reduce(np.ones(4))
+"""
+
+
+def _job_processes(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize(
+    ("mode", "bad", "code", "why"),
+    [
+        ("raise", 1, 1, "rank 1 failed (exit code 1: RuntimeError: step 5 went wrong)"),
+        ("exit", 2, 3, "rank 2 failed (exit code 3: sys.exit(3))"),
+        ("kill", 1, 9, "rank 1 failed (it died without exiting normally, e.g. killed by a signal)"),
+    ],
+)
+def test_a_failing_worker_stops_the_job(tmp_path: Path, mode: str, bad: int, code: int, why: str) -> None:
+    """One of 3 workers fails at step 5: the launcher stops the others, names the rank, exits non-zero."""
+    script = tmp_path / f"crash_{mode}.py"
+    script.write_text(CRASH)
+    start = time.monotonic()
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script), mode, str(bad)],
+                env={"COMMLIB_TIMEOUT": "1800"}, timeout=60)  # fmt: skip
+    assert time.monotonic() - start < 10
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    assert f"commlib.launch: {why}; log: output above; the job was stopped" in proc.stderr, proc.stderr[-2000:]
+    assert _job_processes(str(script)) == []
+
+
+def test_a_worker_that_never_arrives_times_out_the_others(tmp_path: Path) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(CRASH)
+    start = time.monotonic()
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script), "hang", "1"],
+                env={"COMMLIB_TIMEOUT": "2"}, timeout=60)  # fmt: skip
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 15
+    assert "CommTimeoutError" in proc.stdout + proc.stderr
+    assert "all_reduce (call #6 on group 'world', ranks [0, 1, 2]) did not complete within 2 s" in proc.stderr
+    assert _job_processes(str(script)) == []
