@@ -16,8 +16,10 @@ def _peer(g: ProcessGroup, call: str, rank: Any, group_rank: Any, arg: str, any_
             raise ValueError(f"{g.label}{call}: give {arg} (a global rank) or group_{arg}, not both")
         peer = g.check_group_rank(group_rank, call, f"group_{arg}")
     elif rank is None:
-        if any_ok:
+        if any_ok and getattr(g.backend, "any_source", True):
             return None
+        if any_ok:
+            raise ValueError(f"{g.label}{call}: the {g.backend_name} backend cannot receive from any source; pass src")
         raise ValueError(f"{g.label}{call}: {arg} is required (the global rank of the peer); or pass group_{arg}")
     else:
         peer = g.group_rank(rank, call, arg)

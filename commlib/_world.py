@@ -49,18 +49,19 @@ def launch_info() -> LaunchInfo:
     return _state.info
 
 
+def emulated() -> bool:
+    """True when ``COMMLIB_NCCL_EMULATOR`` selects the CPU emulator for the nccl backend."""
+    return os.environ.get("COMMLIB_NCCL_EMULATOR", "") not in ("", "0")
+
+
 def _choose_backend(backend: str | None) -> str:
     if backend is None or str(backend).lower() == "auto":
-        return "mpi"  # nccl becomes the automatic choice when a usable GPU is found (NCCL backend issue)
+        from commlib.backends.nccl import nccl_unavailable_reason
+
+        return "nccl" if emulated() or nccl_unavailable_reason() is None else "mpi"
     if not isinstance(backend, str) or backend.lower() not in _BACKEND_ALIASES:
         raise ValueError(f"init_process_group: backend must be one of 'mpi', 'gloo', 'nccl', 'auto', got {backend!r}")
-    name = _BACKEND_ALIASES[backend.lower()]
-    if name == "nccl":
-        raise BackendUnavailableError(
-            "init_process_group: backend 'nccl' is not available in this build of commlib yet; "
-            "use backend='mpi' (host arrays) or leave backend unset"
-        )
-    return name
+    return _BACKEND_ALIASES[backend.lower()]
 
 
 def _default_timeout(name: str) -> float:
@@ -107,6 +108,10 @@ def init_process_group(
 def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1) -> ProcessGroup:
     from commlib.backends import mpi
 
+    if name == "nccl":
+        from commlib.backends import nccl
+
+        nccl.load(emulated())  # fail early, before any communication, when NCCL cannot run here
     info = launch_info()
     backend = mpi.world()
     if backend.size == 1 and max(info.world_size, world_size) > 1:
@@ -117,9 +122,34 @@ def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1)
             f"`mpiexec -n {expected} python script.py` or "
             f"`python -m commlib.launch --nproc_per_node {expected} script.py`"
         )
+    if name == "nccl":
+        backend = _nccl_world(backend, info, timeout)
     return ProcessGroup(
         backend, list(range(backend.size)), backend.rank, "world", timeout, f"[rank {backend.rank}/{backend.size}] "
     )
+
+
+def _nccl_world(host_world: Any, info: LaunchInfo, timeout: float) -> Any:
+    """The NCCL communicator of the job; its unique id travels from rank 0 over the MPI world."""
+    import sys
+
+    import numpy as np
+
+    from commlib.backends import nccl
+
+    module, cuda, xp, host = nccl.load(emulated())
+    if not host:  # one process per GPU, unless the caller already chose one
+        cuda.Device(info.local_rank % cuda.runtime.getDeviceCount()).use()
+    uid = np.zeros(128, np.int64)
+    if host_world.rank == 0:
+        uid[:] = module.get_unique_id()
+    if not host_world.broadcast(uid, 0).wait(timeout):
+        raise CommTimeoutError(f"init_process_group: rank 0 did not send the NCCL unique id within {timeout:g} s")
+    comm = module.NcclCommunicator(host_world.size, tuple(int(v) for v in uid), host_world.rank)
+    if host and host_world.rank == 0:
+        print("commlib: backend 'nccl' is running on the NCCL emulator (CPU, host memory; "
+              "COMMLIB_NCCL_EMULATOR=1), not on GPUs", file=sys.stderr, flush=True)  # fmt: skip
+    return nccl.NcclBackend(module, cuda, xp, comm, host)
 
 
 def _check_explicit(world: ProcessGroup, world_size: int, rank: int) -> None:

@@ -20,7 +20,7 @@ SAMPLES, FEATURES = 12, 4
 
 
 def main() -> None:
-    dist.init_process_group(backend="gloo")
+    dist.init_process_group()  # torch: gloo for CPU tensors; commlib: mpi, or nccl where chosen
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(rank)  # every rank starts with different weights ...

@@ -1,0 +1,291 @@
+"""The ``nccl`` backend: NCCL through ``cupy.cuda.nccl`` (or its CPU emulator), one stream per group.
+
+The NCCL module and the CUDA runtime namespace are parameters: on a GPU machine
+they are ``cupy.cuda.nccl`` and ``cupy.cuda`` with cupy arrays; with
+``COMMLIB_NCCL_EMULATOR=1`` they are ``commlib.backends.nccl_emulator`` and its
+``cuda`` namespace with numpy arrays, so this same code runs in CI without a GPU.
+
+Every operation is enqueued on the group's stream after the caller's current
+stream (through an event), and its handle holds an event recorded after it.
+Buffers are kept alive by the handle until the event has completed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from commlib._arrays import DTYPES, address, bfloat16, host_array, reject
+from commlib._ops import ReduceOp
+from commlib.backends._base import Handle, poll
+from commlib.errors import BackendUnavailableError, CommError
+
+__all__ = ["NcclBackend", "device_array", "load", "nccl_unavailable_reason"]
+
+_TYPE_NAMES = {
+    np.dtype(np.int8): "NCCL_INT8",
+    np.dtype(np.uint8): "NCCL_UINT8",
+    np.dtype(np.int32): "NCCL_INT32",
+    np.dtype(np.uint32): "NCCL_UINT32",
+    np.dtype(np.int64): "NCCL_INT64",
+    np.dtype(np.uint64): "NCCL_UINT64",
+    np.dtype(np.float16): "NCCL_FLOAT16",
+    bfloat16: "NCCL_BFLOAT16",
+    np.dtype(np.float32): "NCCL_FLOAT32",
+    np.dtype(np.float64): "NCCL_FLOAT64",
+}
+# Dtypes NCCL has no type for are moved as the view that has one (same bytes).
+_MOVE_VIEW = {
+    np.dtype(np.bool_): np.dtype(np.uint8),
+    np.dtype(np.int16): np.dtype(np.uint8),
+    np.dtype(np.uint16): np.dtype(np.uint8),
+    np.dtype(np.complex64): np.dtype(np.float32),
+    np.dtype(np.complex128): np.dtype(np.float64),
+}
+_OP_NAMES = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.PRODUCT: "NCCL_PROD", ReduceOp.MIN: "NCCL_MIN",
+             ReduceOp.MAX: "NCCL_MAX", ReduceOp.AVG: "NCCL_AVG"}  # fmt: skip
+# On bool (moved as uint8 0/1) torch's or/and are NCCL's max/min.
+_BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.BOR: ReduceOp.MAX,
+             ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN, ReduceOp.BAND: ReduceOp.MIN}  # fmt: skip
+_BOOL, _SPLIT_NOCOLOR = np.dtype(np.bool_), -1
+
+
+def check_reduction(dtype: np.dtype, op: ReduceOp) -> str | None:
+    """Why NCCL cannot reduce ``dtype`` with ``op`` (None when it can)."""
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype != _BOOL:
+        return "NCCL has no bitwise reductions; use the mpi backend for them"
+    if dtype == _BOOL:
+        return None if op in _BOOL_OPS else "NCCL has no xor; use the mpi backend"
+    if dtype.kind == "c":
+        return None if op in (ReduceOp.SUM, ReduceOp.AVG) else "NCCL reduces complex numbers only with SUM and AVG"
+    if dtype not in _TYPE_NAMES:
+        return f"NCCL has no {dtype} type (it can only move it)"
+    return None
+
+
+class _EventHandle:
+    """Completion of enqueued work: an event recorded on the group's stream after it."""
+
+    __slots__ = ("backend", "event", "keep")
+
+    def __init__(self, backend: NcclBackend, event: Any, keep: tuple) -> None:
+        self.backend = backend
+        self.event = event  # None while the enclosing NCCL group has not ended
+        self.keep = keep  # buffers that must outlive the operation
+
+    def test(self) -> bool:
+        if self.event is not None and self.event.done:
+            self.keep = ()
+            return True
+        self.backend.raise_async_error()
+        return False
+
+    def wait(self, timeout: float) -> bool:
+        return self.test() or poll(self.test, timeout)
+
+    def defer(self) -> None:
+        """Make the caller's current stream wait for this work, without blocking the host."""
+        self.backend.caller_stream(self.keep).wait_event(self.event)
+
+
+def nccl_unavailable_reason() -> str | None:
+    """Why the real NCCL backend cannot run here, or None when a GPU and cupy's NCCL are usable."""
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")):
+        return "no NVIDIA GPU is visible on this machine (no /dev/nvidia* device)"
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError as e:
+        return f"cupy with NCCL is not installed ({e}); pip install 'commlib[cuda12]'"
+    if not getattr(nccl, "available", True):
+        return "cupy was built without NCCL"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CUDA reports no device"
+    except Exception as e:  # any CUDA failure means "not usable"; say which
+        return f"CUDA is not usable: {e}"
+    return None
+
+
+def load(emulated: bool) -> tuple[Any, Any, Any, bool]:
+    """(nccl module, cuda runtime namespace, array module, host memory?) for the emulator or the GPU."""
+    if emulated:
+        from commlib.backends import nccl_emulator
+
+        return nccl_emulator, nccl_emulator.cuda, np, True
+    why = nccl_unavailable_reason()
+    if why is not None:
+        raise BackendUnavailableError(
+            f"init_process_group: backend 'nccl' cannot run: {why}. Use backend='mpi' for host arrays, "
+            "or set COMMLIB_NCCL_EMULATOR=1 to run the nccl backend on the CPU emulator"
+        )
+    import cupy
+    from cupy.cuda import nccl
+
+    return nccl, cupy.cuda, cupy, False
+
+
+def device_array(obj: object, ctx: object, call: str, arg: str, writable: bool = True) -> Any:
+    """``obj`` as a contiguous cupy array sharing its device memory (cupy, torch CUDA, any CUDA array)."""
+    import cupy
+
+    where = f"{ctx.label}{call}"
+    if not hasattr(obj, "__cuda_array_interface__") and not isinstance(obj, cupy.ndarray):
+        raise TypeError(
+            f"{where}: {arg} must be a GPU array for the nccl backend (cupy array, torch CUDA tensor, or any "
+            f"__cuda_array_interface__ exporter), got {type(obj).__module__}.{type(obj).__qualname__}; "
+            "host arrays go through backend='mpi'"
+        )
+    a = obj if isinstance(obj, cupy.ndarray) else cupy.asarray(obj)  # zero-copy view of the interface
+    if a.dtype not in DTYPES or not a.flags.c_contiguous:
+        reject(a, where, arg, writable=False)  # device memory has no read-only flag to check
+    return a
+
+
+class NcclBackend:
+    """Moves device (or, emulated, host) buffers between the ranks of one NCCL communicator."""
+
+    name = "nccl"
+    native_composites = False  # all_to_all, gather, scatter: commlib's grouped send/recv, as NCCL advises
+    any_source = False  # NCCL receives only from a named peer
+    max_tag = 2**31 - 3  # NCCL has no tags: accepted and ignored, as by torch's nccl backend
+
+    def __init__(self, nccl: Any, cuda: Any, xp: Any, comm: Any, host: bool) -> None:
+        self.nccl, self.cuda, self.xp, self.comm, self.host = nccl, cuda, xp, comm, host
+        self.rank, self.size = comm.rank_id(), comm.size()
+        self.stream = cuda.Stream(non_blocking=True)
+        self.validate = host_array if host else device_array
+        self.check_reduction = check_reduction
+        self._types = {d: getattr(nccl, n) for d, n in _TYPE_NAMES.items()}
+        self._ops = {op: getattr(nccl, n) for op, n in _OP_NAMES.items()}
+        self._depth = 0
+        self._grouped: list[_EventHandle] = []
+        self._aborted = False
+
+    def __repr__(self) -> str:
+        return f"<NcclBackend rank {self.rank}/{self.size} over {self.comm!r}>"
+
+    # -- plumbing -----------------------------------------------------------------
+    def caller_stream(self, keep: tuple = ()) -> Any:
+        """The stream the caller's work is on: torch's current stream for torch tensors, else cupy's."""
+        if not self.host and any(type(a).__module__.startswith("torch") for a in keep):
+            import torch
+
+            return self.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        return self.cuda.get_current_stream()
+
+    def _enqueue(self, launch: Any, keep: tuple) -> _EventHandle:
+        if not self.host:  # host code is synchronous: emulated callers have nothing in flight to order after
+            ready = self.cuda.Event(disable_timing=True)
+            ready.record(self.caller_stream(keep))
+            self.stream.wait_event(ready)
+        launch(self.stream.ptr)
+        handle = _EventHandle(self, None, keep)
+        if self._depth:
+            self._grouped.append(handle)
+        else:
+            handle.event = self._record()
+        return handle
+
+    def _record(self) -> Any:
+        event = self.cuda.Event(disable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def _move(self, a: Any) -> tuple[Any, int, int]:
+        """(array as NCCL sees it, count, NCCL datatype) for moving ``a``'s bytes."""
+        view = _MOVE_VIEW.get(a.dtype)
+        if view is not None:
+            a = a.view(view)
+        return a, a.size, self._types[a.dtype]
+
+    def _reduce_args(self, a: Any, op: ReduceOp) -> tuple[Any, int, int, int]:
+        if a.dtype == _BOOL:
+            op = _BOOL_OPS[op]
+        a, count, dtype = self._move(a)
+        return a, count, dtype, self._ops[op]
+
+    def raise_async_error(self) -> None:
+        """Surface an error NCCL reported asynchronously (a dead peer, an abort) as ``CommError``."""
+        try:
+            self.comm.check_async_error()
+        except self.nccl.NcclError as e:
+            raise CommError(f"NCCL reported an error: {e}") from None
+
+    # -- primitives ---------------------------------------------------------------
+    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
+        s, count, dt, nop = self._reduce_args(sendbuf, op)
+        r = s if sendbuf is recvbuf else self._move(recvbuf)[0]
+        sptr = address(s)
+        rptr = sptr if r is s else address(r)
+        return self._enqueue(lambda st: self.comm.allReduce(sptr, rptr, count, dt, nop, st), (s, r))
+
+    def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int) -> Handle:
+        s, count, dt, nop = self._reduce_args(sendbuf, op)
+        r = self._move(recvbuf)[0]
+        return self._enqueue(lambda st: self.comm.reduce(address(s), address(r), count, dt, nop, root, st), (s, r))
+
+    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
+        s, _, dt, nop = self._reduce_args(sendbuf, op)
+        r, count, _ = self._move(recvbuf)
+        return self._enqueue(lambda st: self.comm.reduceScatter(address(s), address(r), count, dt, nop, st), (s, r))
+
+    def broadcast(self, buf: Any, root: int) -> Handle:
+        b, count, dt = self._move(buf)
+        return self._enqueue(lambda st: self.comm.bcast(address(b), count, dt, root, st), (b,))
+
+    def all_gather(self, sendbuf: Any | None, recvbuf: Any) -> Handle:
+        r, total, dt = self._move(recvbuf)
+        count = total // self.size
+        sptr = address(r) + self.rank * count * r.itemsize if sendbuf is None else address(self._move(sendbuf)[0])
+        return self._enqueue(lambda st: self.comm.allGather(sptr, address(r), count, dt, st), (sendbuf, r))
+
+    def send(self, buf: Any, peer: int, tag: int) -> Handle:
+        b, count, dt = self._move(buf)
+        return self._enqueue(lambda st: self.comm.send(address(b), count, dt, peer, st), (b,))
+
+    def recv(self, buf: Any, peer: int | None, tag: int) -> Handle:
+        if peer is None:
+            raise ValueError("recv: NCCL cannot receive from any source; pass src")
+        b, count, dt = self._move(buf)
+        return self._enqueue(lambda st: self.comm.recv(address(b), count, dt, peer, st), (b,))
+
+    def group_start(self) -> None:
+        """Open an NCCL group: the p2p calls until ``group_end`` are posted together."""
+        self.nccl.groupStart()
+        self._depth += 1
+
+    def group_end(self) -> None:
+        """Close the NCCL group; every handle issued inside it completes with one event."""
+        self._depth -= 1
+        self.nccl.groupEnd()
+        if self._depth == 0 and self._grouped:
+            event = self._record()
+            for handle in self._grouped:
+                handle.event = event
+            self._grouped = []
+
+    def barrier(self) -> Handle:
+        """NCCL has no barrier: an all_reduce of one element stands in for it (as torch does)."""
+        flag = self.xp.zeros(1, np.float32)
+        return self.all_reduce(flag, flag, ReduceOp.SUM)
+
+    # -- communicators --------------------------------------------------------------
+    def split(self, ranks: list[int], timeout: float) -> NcclBackend | None:
+        """Sub-communicator of ``ranks`` through ``commSplit`` (collective over this communicator)."""
+        member = self.rank in ranks
+        sub = self.comm.commSplit(0 if member else _SPLIT_NOCOLOR, ranks.index(self.rank) if member else 0)
+        return NcclBackend(self.nccl, self.cuda, self.xp, sub, self.host) if member else None
+
+    def abort(self) -> None:
+        """Abort the communicator: unblocks work stuck on a dead peer (NCCL's ncclCommAbort)."""
+        if not self._aborted:
+            self._aborted = True
+            self.comm.abort()
+
+    def close(self) -> None:
+        """Release the communicator."""
+        if not self._aborted:
+            self.comm.destroy()
