@@ -26,7 +26,7 @@ def _null_nccl() -> types.SimpleNamespace:
     """A stand-in for cupy.cuda.nccl whose every call returns at once."""
 
     class NcclCommunicator:
-        def __init__(self, ndev: int, commId: tuple, rank: int) -> None:  # noqa: N803 - cupy's names
+        def __init__(self, ndev: int, commId: tuple, rank: int) -> None:
             self._rank, self._size = rank, ndev
 
         def rank_id(self) -> int:
@@ -35,15 +35,29 @@ def _null_nccl() -> types.SimpleNamespace:
         def size(self) -> int:
             return self._size
 
-        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream) -> None:  # noqa: N802
+        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream) -> None:
             pass
 
         def check_async_error(self) -> None:
             pass
 
-    names = {"NCCL_INT8": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_UINT32": 3, "NCCL_INT64": 4, "NCCL_UINT64": 5,
-             "NCCL_FLOAT16": 6, "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9, "NCCL_SUM": 0,
-             "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}  # fmt: skip
+    names = {
+        "NCCL_INT8": 0,
+        "NCCL_UINT8": 1,
+        "NCCL_INT32": 2,
+        "NCCL_UINT32": 3,
+        "NCCL_INT64": 4,
+        "NCCL_UINT64": 5,
+        "NCCL_FLOAT16": 6,
+        "NCCL_FLOAT32": 7,
+        "NCCL_FLOAT64": 8,
+        "NCCL_BFLOAT16": 9,
+        "NCCL_SUM": 0,
+        "NCCL_PROD": 1,
+        "NCCL_MAX": 2,
+        "NCCL_MIN": 3,
+        "NCCL_AVG": 4,
+    }
     return types.SimpleNamespace(NcclCommunicator=NcclCommunicator, NcclError=RuntimeError, **names)
 
 
@@ -84,8 +98,10 @@ def main() -> None:
             for _ in range(20000):
                 dist.all_reduce(x, group=group)
             runs.append((time.perf_counter() - start) / 20000 * 1e6)
-        print(f"nccl backend host overhead per all_reduce, {label}: median {statistics.median(runs):.2f} us, "
-              f"min {min(runs):.2f} us (target <= 5 us)")  # fmt: skip
+        print(
+            f"nccl backend host overhead per all_reduce, {label}: median {statistics.median(runs):.2f} us, "
+            f"min {min(runs):.2f} us (target <= 5 us)"
+        )
     backend.host = True
     sys.exit(0)
 

@@ -70,6 +70,8 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
             port,
             "torchrun",
         )
+    if _srun_task(env):
+        return _slurm(env, master, port)
     if "PMI_RANK" in env and "PMI_SIZE" in env:
         rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
         local_world = _int(env, "MPI_LOCALNRANKS", default=world)
@@ -94,6 +96,15 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return _slurm(env, master, port)
     return LaunchInfo(0, 1, 0, 1, 0, 1, master, port, "single")
+
+
+def _srun_task(env: Mapping[str, str]) -> bool:
+    """A task started by srun itself (not a rank of an mpiexec run inside a Slurm allocation)."""
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return False
+    # mpiexec inside an allocation leaves SLURM_PROCID=0 on every rank; PMI says who is who then.
+    pmi = env.get("PMI_RANK"), env.get("PMI_SIZE")
+    return pmi == (None, None) or pmi == (env["SLURM_PROCID"], env["SLURM_NTASKS"])
 
 
 def _slurm(env: Mapping[str, str], master: str | None, port: int | None) -> LaunchInfo:

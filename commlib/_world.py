@@ -147,8 +147,12 @@ def _nccl_world(host_world: Any, info: LaunchInfo, timeout: float) -> Any:
         raise CommTimeoutError(f"init_process_group: rank 0 did not send the NCCL unique id within {timeout:g} s")
     comm = module.NcclCommunicator(host_world.size, tuple(int(v) for v in uid), host_world.rank)
     if host and host_world.rank == 0:
-        print("commlib: backend 'nccl' is running on the NCCL emulator (CPU, host memory; "
-              "COMMLIB_NCCL_EMULATOR=1), not on GPUs", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            "commlib: backend 'nccl' is running on the NCCL emulator (CPU, host memory; "
+            "COMMLIB_NCCL_EMULATOR=1), not on GPUs",
+            file=sys.stderr,
+            flush=True,
+        )
     return nccl.NcclBackend(module, cuda, xp, comm, host)
 
 

@@ -132,8 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failure is not None:
         rank, rank_code, why = failure
         where = Path(args.logdir) / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
-        print(f"commlib.launch: rank {rank} failed ({why}); log: {where}; the job was stopped",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"commlib.launch: rank {rank} failed ({why}); log: {where}; the job was stopped",
+            file=sys.stderr,
+            flush=True,
+        )
         return rank_code or code or 1
     return 128 - code if code < 0 else code
 

@@ -81,3 +81,36 @@ def test_bad_values_are_named() -> None:
         detect({"RANK": "x", "WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match=r"rank 4 not in \[0, 2\)"):
         detect({"RANK": "4", "WORLD_SIZE": "2"})
+
+
+def test_srun_task_with_pmi2_uses_slurm_local_ranks() -> None:
+    env = {
+        "PMI_RANK": "3",
+        "PMI_SIZE": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_NNODES": "2",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+    }
+    info = detect(env)
+    assert (info.rank, info.local_rank, info.local_world_size, info.node_rank, info.source) == (3, 1, 2, 1, "slurm")
+
+
+def test_mpiexec_inside_a_slurm_allocation_trusts_pmi() -> None:
+    env = {
+        "PMI_RANK": "3",
+        "PMI_SIZE": "4",
+        "MPI_LOCALRANKID": "3",
+        "MPI_LOCALNRANKS": "4",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+    }
+    info = detect(env)
+    assert (info.rank, info.world_size, info.local_rank, info.source) == (3, 4, 3, "mpich")
+
+
+def test_compressed_nodelist_mixed_with_plain_hosts() -> None:
+    assert expand_hostlist("gpu[01-04,07],cpu3") == ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "cpu3"]

@@ -196,8 +196,11 @@ def test_a_failing_worker_stops_the_job(tmp_path: Path, mode: str, bad: int, cod
     script = tmp_path / f"crash_{mode}.py"
     script.write_text(CRASH)
     start = time.monotonic()
-    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script), mode, str(bad)],
-                env={"COMMLIB_TIMEOUT": "1800"}, timeout=60)  # fmt: skip
+    proc = _run(
+        [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script), mode, str(bad)],
+        env={"COMMLIB_TIMEOUT": "1800"},
+        timeout=60,
+    )
     assert time.monotonic() - start < 10
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     assert f"commlib.launch: {why}; log: output above; the job was stopped" in proc.stderr, proc.stderr[-2000:]
@@ -208,8 +211,11 @@ def test_a_worker_that_never_arrives_times_out_the_others(tmp_path: Path) -> Non
     script = tmp_path / "hang.py"
     script.write_text(CRASH)
     start = time.monotonic()
-    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script), "hang", "1"],
-                env={"COMMLIB_TIMEOUT": "2"}, timeout=60)  # fmt: skip
+    proc = _run(
+        [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script), "hang", "1"],
+        env={"COMMLIB_TIMEOUT": "2"},
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert time.monotonic() - start < 15
     assert "CommTimeoutError" in proc.stdout + proc.stderr

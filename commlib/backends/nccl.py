@@ -44,11 +44,22 @@ _MOVE_VIEW = {
     np.dtype(np.complex64): np.dtype(np.float32),
     np.dtype(np.complex128): np.dtype(np.float64),
 }
-_OP_NAMES = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.PRODUCT: "NCCL_PROD", ReduceOp.MIN: "NCCL_MIN",
-             ReduceOp.MAX: "NCCL_MAX", ReduceOp.AVG: "NCCL_AVG"}  # fmt: skip
+_OP_NAMES = {
+    ReduceOp.SUM: "NCCL_SUM",
+    ReduceOp.PRODUCT: "NCCL_PROD",
+    ReduceOp.MIN: "NCCL_MIN",
+    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.AVG: "NCCL_AVG",
+}
 # On bool (moved as uint8 0/1) torch's or/and are NCCL's max/min.
-_BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.BOR: ReduceOp.MAX,
-             ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN, ReduceOp.BAND: ReduceOp.MIN}  # fmt: skip
+_BOOL_OPS = {
+    ReduceOp.SUM: ReduceOp.MAX,
+    ReduceOp.MAX: ReduceOp.MAX,
+    ReduceOp.BOR: ReduceOp.MAX,
+    ReduceOp.PRODUCT: ReduceOp.MIN,
+    ReduceOp.MIN: ReduceOp.MIN,
+    ReduceOp.BAND: ReduceOp.MIN,
+}
 _BOOL, _SPLIT_NOCOLOR = np.dtype(np.bool_), -1
 
 
