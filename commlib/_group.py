@@ -83,6 +83,9 @@ class ProcessGroup:
             return work
         if self.pending:
             self.drain(None, self.timeout)
+        if not self.host and hasattr(handle, "defer"):
+            handle.defer()  # device work, as torch's NCCL: the caller's stream waits, the host goes on
+            return None
         if not handle.wait(self.timeout):
             self.fail_timeout(call, self.seq, self.timeout)
         return None
@@ -191,10 +194,17 @@ class Work:
         return f"<Work {self.call} #{self.seq} {state}>"
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
-        """Block until the operation is complete (True); raise ``CommTimeoutError`` after ``timeout``."""
+        """Block until the operation is complete (True); raise ``CommTimeoutError`` after ``timeout``.
+
+        On a device backend without ``timeout``, as torch's NCCL: the caller's current
+        stream waits for the operation and the host does not block.
+        """
         if self.done:
             return True
         group = self.group
+        if timeout is None and not group.host and hasattr(self.handle, "defer"):
+            self.handle.defer()
+            return True
         seconds = group.timeout if timeout is None else as_seconds(timeout, f"{self.call} Work.wait")
         if group.broken is not None:
             group.refuse(self.call)

@@ -75,7 +75,10 @@ def recv(
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
     work = _post_recv(tensor, src, group, tag, group_src, "recv")
-    return work.source_rank()
+    if src is None and group_src is None:
+        return work.source_rank()
+    work.wait()
+    return src if src is not None else work.group.ranks[group_src]
 
 
 class P2POp:

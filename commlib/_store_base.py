@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 from types import TracebackType
+from typing import TypeVar
 
 from commlib.errors import CommError
 
-__all__ = ["Store", "StoreProtocolError", "StoreTokenError", "as_bytes", "as_key", "as_seconds"]
+__all__ = ["Store", "StoreProtocolError", "StoreTokenError", "as_bytes", "as_key", "as_keys", "as_seconds"]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+_S = TypeVar("_S", bound="Store")
 
 
 class StoreTokenError(CommError):
@@ -43,6 +45,13 @@ def as_key(key: str) -> bytes:
     if not isinstance(key, str):
         raise TypeError(f"store keys must be str, got {type(key).__name__}")
     return key.encode()
+
+
+def as_keys(keys: Sequence[str]) -> list[bytes]:
+    """Return a list of store keys as UTF-8 bytes (a lone str is refused: it is not a list of keys)."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError("keys must be a list of str, not a single string")
+    return [as_key(k) for k in keys]
 
 
 class Store:
@@ -103,7 +112,7 @@ class Store:
     def close(self) -> None:
         """Release the store's connections and files (idempotent)."""
 
-    def __enter__(self) -> Store:
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(

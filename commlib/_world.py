@@ -114,6 +114,8 @@ def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1)
         nccl.load(emulated())  # fail early, before any communication, when NCCL cannot run here
     info = launch_info()
     backend = mpi.world()
+    if backend.size < info.world_size and info.num_nodes > 1 and backend.size == info.local_world_size:
+        backend = _join_nodes(backend, info, timeout)
     if backend.size == 1 and max(info.world_size, world_size) > 1:
         expected = max(info.world_size, world_size)
         raise BackendUnavailableError(
@@ -129,6 +131,20 @@ def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1)
     )
 
 
+def _join_nodes(local: Any, info: LaunchInfo, timeout: float) -> Any:
+    """One MPI communicator out of the per-node MPI worlds (``commlib.launch --nnodes N``)."""
+    from commlib.backends import mpi
+    from commlib.store import TCPStore
+
+    if not info.master_addr or not info.master_port:
+        raise BackendUnavailableError("init_process_group: joining nodes needs MASTER_ADDR and MASTER_PORT")
+    store = TCPStore(info.master_addr, info.master_port, timeout=timeout, token=os.environ.get("COMMLIB_STORE_TOKEN"))
+    try:
+        return mpi.join_nodes(local, info.node_rank, info.num_nodes, info.rank, store, timeout)
+    finally:
+        store.close()
+
+
 def _nccl_world(host_world: Any, info: LaunchInfo, timeout: float) -> Any:
     """The NCCL communicator of the job; its unique id travels from rank 0 over the MPI world."""
     import sys
@@ -140,12 +156,13 @@ def _nccl_world(host_world: Any, info: LaunchInfo, timeout: float) -> Any:
     module, cuda, xp, host = nccl.load(emulated())
     if not host:  # one process per GPU, unless the caller already chose one
         cuda.Device(info.local_rank % cuda.runtime.getDeviceCount()).use()
-    uid = np.zeros(128, np.int64)
+    uid = np.zeros(128, np.uint8)  # ncclUniqueId: 128 bytes (cupy returns bytes; older cupy, a tuple of ints)
     if host_world.rank == 0:
-        uid[:] = module.get_unique_id()
+        made = module.get_unique_id()
+        uid[:] = np.frombuffer(made, np.uint8) if isinstance(made, bytes) else np.asarray(made).astype(np.uint8)
     if not host_world.broadcast(uid, 0).wait(timeout):
         raise CommTimeoutError(f"init_process_group: rank 0 did not send the NCCL unique id within {timeout:g} s")
-    comm = module.NcclCommunicator(host_world.size, tuple(int(v) for v in uid), host_world.rank)
+    comm = module.NcclCommunicator(host_world.size, uid.tobytes(), host_world.rank)
     if host and host_world.rank == 0:
         print(
             "commlib: backend 'nccl' is running on the NCCL emulator (CPU, host memory; "

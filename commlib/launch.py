@@ -7,8 +7,13 @@ Workers are started under the MPICH wheel's ``mpiexec`` (so the mpi backend
 works) with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
 MASTER_ADDR and MASTER_PORT set for each; output lines are prefixed with the
 rank, or written per rank under ``--logdir``. The launcher exits with the job's
-exit code; Ctrl-C or SIGTERM stops every worker. This version starts jobs on one
-node; several nodes, restarts and the rendezvous store come with the launcher work.
+exit code; Ctrl-C or SIGTERM stops every worker, and when one worker fails the
+others are stopped and the failed rank is named.
+
+Several nodes: run the launcher on each with ``--nnodes N --node_rank i
+--master_addr <node 0's address> --master_port P``; node 0's launcher serves a
+rendezvous store there and the nodes' ranks join into one job. Set the same
+``COMMLIB_STORE_TOKEN`` on every node to make the store refuse strangers.
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (this version: 1)")
-    p.add_argument("--node_rank", type=int, default=0, help="rank of this node (this version: 0)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes; start the launcher once on each")
+    p.add_argument("--node_rank", type=int, default=0, help="rank of this node, 0 .. nnodes-1")
     p.add_argument("--nproc_per_node", type=_nproc, default=1, help="workers on this node: N, auto or cpu")
     p.add_argument("--master_addr", default="127.0.0.1", help="address of node 0 (MASTER_ADDR)")
     p.add_argument("--master_port", type=int, default=29500, help="free port on node 0 (MASTER_PORT)")
@@ -69,8 +74,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("training_script", help="the script (or module with -m, or program with --no_python)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = p.parse_args(argv)
-    if args.nnodes != 1 or args.node_rank != 0:
-        p.error("this version starts jobs on one node (--nnodes 1); use mpiexec or srun across nodes")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--node_rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
+    if args.standalone and args.nnodes != 1:
+        p.error("--standalone is a single-node job; drop --nnodes")
     if args.module and args.no_python:
         p.error("-m/--module and --no_python cannot be combined")
     return args
@@ -87,7 +94,7 @@ def _program(args: argparse.Namespace) -> list[str]:
 
 def build_command(args: argparse.Namespace) -> list[str]:
     """The mpiexec command line: one MPMD segment per rank, each with its own environment."""
-    n = args.nproc_per_node
+    n, node = args.nproc_per_node, args.node_rank
     cmd = [find_mpiexec()]
     if args.redirect_stdout_and_stderr:
         log = Path(args.logdir).resolve()
@@ -96,11 +103,11 @@ def build_command(args: argparse.Namespace) -> list[str]:
     else:
         cmd += ["-prepend-rank"]
     common = {
-        "WORLD_SIZE": n,
+        "WORLD_SIZE": n * args.nnodes,
         "LOCAL_WORLD_SIZE": n,
-        "NODE_RANK": 0,
-        "GROUP_RANK": 0,
-        "NNODES": 1,
+        "NODE_RANK": node,
+        "GROUP_RANK": node,
+        "NNODES": args.nnodes,
         "MASTER_ADDR": args.master_addr,
         "MASTER_PORT": args.master_port,
     }
@@ -108,7 +115,7 @@ def build_command(args: argparse.Namespace) -> list[str]:
         if rank:
             cmd.append(":")
         cmd += ["-n", "1"]
-        for name, value in {**common, "RANK": rank, "LOCAL_RANK": rank}.items():
+        for name, value in {**common, "RANK": node * n + rank, "LOCAL_RANK": rank}.items():
             cmd += ["-env", name, str(value)]
         cmd += _program(args)
     return cmd
@@ -121,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = dict(os.environ, COMMLIB_LAUNCH_STATUS=status)
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
+        store = _serve_store(args)  # several nodes: node 0 serves the rendezvous store for the job
         proc = subprocess.Popen(build_command(args), env=env)
 
         def forward(signum: int, _frame: object) -> None:
@@ -129,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, forward)
         code, failure = _supervise(proc, Path(status), args.nproc_per_node)
+        if store is not None:
+            store.close()
     if failure is not None:
         rank, rank_code, why = failure
         where = Path(args.logdir) / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
@@ -139,6 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return rank_code or code or 1
     return 128 - code if code < 0 else code
+
+
+def _serve_store(args: argparse.Namespace) -> object | None:
+    """On node 0 of a multi-node job, serve the TCP store the nodes rendezvous through."""
+    if args.nnodes == 1 or args.node_rank != 0:
+        return None
+    from commlib.store import TCPStore
+
+    token = os.environ.get("COMMLIB_STORE_TOKEN")
+    return TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False, token=token)
 
 
 def _supervise(proc: subprocess.Popen, status: Path, n: int) -> tuple[int, tuple[int, int, str] | None]:

@@ -29,7 +29,22 @@ def kind(dtype: np.dtype) -> str:
     return "f" if dtype == BF16 else np.dtype(dtype).kind
 
 
-def ops_for(dtype: np.dtype) -> list[str]:
+# What NCCL can reduce (it has no 16-bit integers, no bitwise ops, no complex product; bool is
+# reduced as uint8 with max/min).
+NCCL_OPS = {
+    "i": ["SUM", "PRODUCT", "MIN", "MAX"],
+    "u": ["SUM", "PRODUCT", "MIN", "MAX"],
+    "f": ["SUM", "PRODUCT", "MIN", "MAX", "AVG"],
+    "c": ["SUM", "AVG"],
+    "b": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR"],
+}
+BACKENDS = {"mpi": {}, "nccl": {"COMMLIB_NCCL_EMULATOR": "1"}}  # backend -> environment of the ranks
+
+
+def ops_for(dtype: np.dtype, backend: str = "mpi") -> list[str]:
+    """The reductions ``backend`` defines for ``dtype``."""
+    if backend == "nccl":
+        return [] if np.dtype(dtype).itemsize == 2 and kind(dtype) in "iu" else NCCL_OPS[kind(dtype)]
     return OPS_BY_KIND[kind(dtype)]
 
 
@@ -70,8 +85,9 @@ def reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
         "BXOR": np.bitwise_xor,
     }[op]
     out = ufunc.reduce(stack, axis=0, dtype=stack.dtype)
-    if op == "AVG":
-        out = out / np.asarray(len(arrays), dtype=out.real.dtype)
+    if op == "AVG":  # one real division per component, complex numbers included
+        n = np.asarray(len(arrays), dtype=out.real.dtype)
+        out = out.real / n + 1j * (out.imag / n) if out.dtype.kind == "c" else out / n
     return out.astype(dtype)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference import ALL_DTYPES, group_layouts, make, ops_for, reduce, same
+from reference import ALL_DTYPES, BACKENDS, group_layouts, make, ops_for, reduce, same
 
 from commlib.testing import run, world_sizes
 
@@ -12,7 +12,7 @@ from commlib.testing import run, world_sizes
 def _all_reduce(dist, g, ranks, me):
     checks = 0
     for d, dtype in enumerate(ALL_DTYPES):
-        for o, op in enumerate(ops_for(dtype)):
+        for o, op in enumerate(ops_for(dtype, dist.get_backend())):
             ins = [make(rk, 7, dtype, salt=d * 10 + o).reshape(7, 1) for rk in ranks]
             x = ins[ranks.index(me)].copy()
             assert dist.all_reduce(x, op=getattr(dist.ReduceOp, op), group=g) is None
@@ -44,7 +44,7 @@ def _broadcast(dist, g, ranks, me):
 def _reduce(dist, g, ranks, me):
     checks = 0
     for d, dtype in enumerate(ALL_DTYPES):
-        for o, op in enumerate(ops_for(dtype)):
+        for o, op in enumerate(ops_for(dtype, dist.get_backend())):
             root = ranks[(d + o) % len(ranks)]
             ins = [make(rk, 6, dtype, salt=d * 10 + o) for rk in ranks]
             x = ins[ranks.index(me)].copy()
@@ -88,7 +88,7 @@ def _all_gather(dist, g, ranks, me):
 def _reduce_scatter_tensor(dist, g, ranks, me):
     checks, n, i = 0, len(ranks), ranks.index(me)
     for d, dtype in enumerate(ALL_DTYPES):
-        for o, op in enumerate(ops_for(dtype)):
+        for o, op in enumerate(ops_for(dtype, dist.get_backend())):
             ins = [make(rk, 3 * n, dtype, salt=d * 10 + o) for rk in ranks]
             want = reduce(ins, op)[i * 3 : (i + 1) * 3]
             out = np.zeros(3, dtype)
@@ -104,7 +104,7 @@ def _reduce_scatter_tensor(dist, g, ranks, me):
 def _reduce_scatter(dist, g, ranks, me):
     checks, n, i = 0, len(ranks), ranks.index(me)
     for d, dtype in enumerate(ALL_DTYPES):
-        for op in ops_for(dtype)[:2]:
+        for op in ops_for(dtype, dist.get_backend())[:2]:
             ins = [make(rk, 2 * n, dtype, salt=d).reshape(n, 2) for rk in ranks]
             out = np.zeros(2, dtype)
             dist.reduce_scatter(out, list(ins[i]), op=getattr(dist.ReduceOp, op), group=g)
@@ -190,11 +190,12 @@ SCENARIOS = {
 }
 
 
-def scenario_on_every_group(name: str) -> int:
+def scenario_on_every_group(name: str, backend: str = "mpi") -> int:
     """Run scenario ``name`` on the world and on the sub-groups this rank belongs to."""
     import commlib as dist
 
     n, me = dist.get_world_size(), dist.get_rank()
+    assert dist.get_backend() == backend, (dist.get_backend(), backend)
     layouts = group_layouts(n)
     groups = {k: None if k == "world" else dist.new_group(v) for k, v in layouts.items()}
     checks = sum(SCENARIOS[name](dist, groups[k], ranks, me) for k, ranks in layouts.items() if me in ranks)
@@ -204,8 +205,9 @@ def scenario_on_every_group(name: str) -> int:
 
 @pytest.mark.parametrize("n", world_sizes)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_collective_matches_numpy(name: str, n: int) -> None:
-    checks = run(scenario_on_every_group, n, name, timeout=120)
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_collective_matches_numpy(backend: str, name: str, n: int) -> None:
+    checks = run(scenario_on_every_group, n, name, backend, timeout=120, env=BACKENDS[backend])
     assert all(c > 0 for c in checks), checks
 
 

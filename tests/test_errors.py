@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from reference import BACKENDS
 
 from commlib.testing import run
 
@@ -160,9 +161,9 @@ def mistakes_job() -> dict:
     return report
 
 
-@pytest.fixture(scope="module")
-def reports() -> list[dict]:
-    return run(mistakes_job, N, timeout=120)
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def reports(request: pytest.FixtureRequest) -> list[dict]:
+    return run(mistakes_job, N, timeout=120, env=BACKENDS[request.param])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

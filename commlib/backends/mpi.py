@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -65,6 +66,12 @@ _AVG = ReduceOp.AVG  # class attribute access on an Enum costs ~50 ns: keep memb
 _IN_PLACE = MPI.IN_PLACE
 _FAST_POLLS = range(256)
 _BOOL = np.dtype(np.bool_)
+
+
+def _average(buf: np.ndarray, n: int) -> None:
+    """buf /= n in place; complex numbers component by component (a real division, as NCCL's AVG)."""
+    flat = buf.view(buf.real.dtype) if buf.dtype.kind == "c" else buf
+    np.divide(flat, n, out=flat)
 
 
 def _mpi_error(e: MPI.Exception) -> CommError:
@@ -178,7 +185,7 @@ class MpiBackend:
         sb = MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
         req = _Req(self.comm.Iallreduce(sb, [recvbuf, t], mop))
         if op is ReduceOp.AVG:
-            return Chained(req, functools.partial(np.divide, recvbuf, self.size, out=recvbuf))
+            return Chained(req, functools.partial(_average, recvbuf, self.size))
         return req
 
     def all_reduce_wait(self, buf: np.ndarray, op: ReduceOp, timeout: float) -> bool:
@@ -216,7 +223,7 @@ class MpiBackend:
         sb = MPI.IN_PLACE if mine and sendbuf is recvbuf else [sendbuf, t]
         req = _Req(self.comm.Ireduce(sb, [recvbuf, t], mop, root))
         if op is ReduceOp.AVG and mine:
-            return Chained(req, functools.partial(np.divide, recvbuf, self.size, out=recvbuf))
+            return Chained(req, functools.partial(_average, recvbuf, self.size))
         return req
 
     def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Handle:
@@ -228,7 +235,7 @@ class MpiBackend:
             return Chained(req, functools.partial(self._round, recv32, recvbuf, op))
         req = _Req(self.comm.Ireduce_scatter_block([sendbuf, t], [recvbuf, t], mop))
         if op is ReduceOp.AVG:
-            return Chained(req, functools.partial(np.divide, recvbuf, self.size, out=recvbuf))
+            return Chained(req, functools.partial(_average, recvbuf, self.size))
         return req
 
     def _round(self, scratch: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
@@ -298,6 +305,36 @@ class MpiBackend:
         """Free the communicator (not the world)."""
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:
             self.comm.Free()
+
+
+def join_nodes(local: MpiBackend, node: int, nnodes: int, rank: int, store: Any, timeout: float) -> MpiBackend:
+    """Join the MPI worlds of ``nnodes`` separately launched nodes into one communicator.
+
+    Each node's ranks are one MPI world (one mpiexec per node, as ``commlib.launch``
+    starts them). Node 0 opens an MPI port and publishes it in ``store``; the others
+    connect to it one at a time and everything joined so far accepts the next
+    (MPI_Comm_accept/connect, then Intercomm_merge). Every node first registers in
+    the store and waits for all the others, so no accept waits for a node that never
+    comes. Ranks are finally ordered by ``rank`` (their global RANK).
+    """
+    comm = local.comm
+    store.set(f"commlib/join/{node}/{comm.Get_rank()}", b"1")
+    store.wait([f"commlib/join/{k}/0" for k in range(nnodes)], timeout)
+    if node == 0:
+        port = MPI.Open_port() if comm.Get_rank() == 0 else ""
+        if comm.Get_rank() == 0:
+            store.set("commlib/join/port", port)
+        merged, joined = comm, 1
+    else:
+        port = store.get("commlib/join/port").decode()
+        merged = comm.Connect(port, root=0).Merge(high=True)
+        joined = merged.bcast(None, root=0)
+    while joined < nnodes:
+        merged = merged.Accept(port, root=0).Merge(high=False)
+        joined = merged.bcast(joined + 1, root=0)
+    if node == 0 and comm.Get_rank() == 0:
+        MPI.Close_port(port)
+    return MpiBackend(merged.Split(0, rank))
 
 
 def world() -> MpiBackend:

@@ -1,0 +1,306 @@
+"""The communicator core of the NCCL emulator, and how operations are launched on streams and in groups.
+
+Operations get their sequence numbers when they are called (so they match
+across ranks in call order) and run later on their stream's thread. Between
+``groupStart()`` and ``groupEnd()`` (nesting counted per thread) they are only
+collected; the outermost ``groupEnd()`` launches them together: all are posted,
+then all completed (see ``_emulator_ops``). A failing operation breaks its
+communicator like an NCCL async error: the error is stored, pending waits fail,
+the links are cut so that the peers fail fast too, and later calls raise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+
+from ._emulator_errors import INTERNAL_ERROR, INVALID_ARGUMENT, INVALID_USAGE, NcclError
+from ._emulator_link import Key, Link, Mailbox
+from ._emulator_ops import AllGather, Op
+from ._emulator_streams import Stream
+from ._emulator_wire import connect_mesh, open_listener
+
+__all__ = ["CommCore", "group_end", "group_start", "submit"]
+
+_OPEN, _DESTROYED, _ABORTED = "open", "destroyed", "aborted"
+_SPLIT_RECORD = struct.Struct("<qq4sH")  # color, key, IPv4, listener port
+# Large scratch buffers are reused: fresh pages cost a page fault each (about a third of a big all-reduce).
+_SCRATCH_MIN = 1 << 16
+_SCRATCH_CAP = 256 << 20  # bytes kept per communicator at most
+
+
+class CommCore:
+    """State of one emulated communicator: its links, mailbox, sequence counters and error."""
+
+    def __init__(self, rank: int, size: int, comm_id: int, socks: dict[int, socket.socket], ip: str) -> None:
+        self.rank, self.size, self.comm_id, self.ip = rank, size, comm_id, ip
+        self.mailbox = Mailbox()
+        self.links = {peer: Link(sock, peer, comm_id, self.mailbox) for peer, sock in socks.items()}
+        self._lock = threading.Condition()
+        self._coll_seq = 0
+        self._send_seq = [0] * size
+        self._recv_seq = [0] * size
+        self._inflight = 0
+        self._close_when_idle = False
+        self._scratch: dict[int, list[np.ndarray]] = {}
+        self._scratch_bytes = 0
+        self.state = _OPEN
+        self.async_error: NcclError | None = None
+
+    # --- what the operations use ---
+    def send(self, peer: int, key: Key, data: memoryview) -> None:
+        """Send a message (to oneself: straight into the mailbox)."""
+        if peer == self.rank:
+            self.mailbox.deliver_local(peer, key, data)
+        else:
+            self.links[peer].send(key, data)
+
+    def post(self, peer: int, key: Key, view: memoryview) -> None:
+        """Announce where the message ``key`` from ``peer`` goes."""
+        self.mailbox.post(peer, key, view)
+
+    def wait(self, peer: int, key: Key, deadline: float) -> None:
+        """Block until a posted message arrived."""
+        self.mailbox.wait(peer, key, deadline)
+
+    def forget(self, peer: int, key: Key) -> None:
+        """Withdraw a posted receive."""
+        self.mailbox.forget(peer, key)
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of ``nbytes`` for received data (reused when large)."""
+        with self._lock:
+            free = self._scratch.get(nbytes)
+            if free:
+                self._scratch_bytes -= nbytes
+                return free.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def recycle(self, buffers: list[np.ndarray]) -> None:
+        """Give scratch buffers back after a successful operation (a failed one may still be written to)."""
+        with self._lock:
+            for buf in buffers:
+                if buf.nbytes < _SCRATCH_MIN or self._scratch_bytes + buf.nbytes > _SCRATCH_CAP:
+                    continue  # small ones are cheap to allocate; past the cap, let them go
+                free = self._scratch.setdefault(buf.nbytes, [])
+                if len(free) < 4:
+                    free.append(buf)
+                    self._scratch_bytes += buf.nbytes
+
+    # --- call time ---
+    def check_usable(self) -> None:
+        """Raise NcclError if the communicator was destroyed, aborted, or broken by an earlier failure."""
+        if self.state != _OPEN:
+            raise NcclError(INVALID_ARGUMENT, f"the communicator was {self.state}")
+        if self.async_error is not None:
+            raise NcclError(self.async_error.status, self.async_error.detail)
+
+    def check_runnable(self) -> None:
+        """Like check_usable, but a destroyed communicator still drains the operations launched before."""
+        if self.state == _ABORTED:
+            raise NcclError(INVALID_USAGE, "the communicator was aborted before the operation ran")
+        if self.async_error is not None:
+            raise NcclError(self.async_error.status, self.async_error.detail)
+
+    def next_collective(self) -> int:
+        """The sequence number of the next collective (call order)."""
+        with self._lock:
+            self._coll_seq += 1
+            return self._coll_seq
+
+    def next_p2p(self, peer: int, sending: bool) -> int:
+        """The sequence number of the next send to / receive from ``peer``."""
+        with self._lock:
+            counters = self._send_seq if sending else self._recv_seq
+            counters[peer] += 1
+            return counters[peer]
+
+    # --- run time ---
+    def begin(self) -> None:
+        """An operation was launched (destroy waits for it)."""
+        with self._lock:
+            self._inflight += 1
+
+    def end(self) -> None:
+        """An operation finished (successfully or not)."""
+        with self._lock:
+            self._inflight -= 1
+            idle = self._inflight == 0
+            self._lock.notify_all()
+        if idle and self._close_when_idle:
+            self._say_goodbye()
+
+    def fail(self, error: NcclError) -> None:
+        """Store ``error`` as the async error (first one wins), fail pending waits, cut the links."""
+        with self._lock:
+            if self.async_error is None and self.state == _OPEN:
+                self.async_error = error
+        self.mailbox.fail(error)
+        for link in self.links.values():
+            link.cut()
+
+    # --- life cycle ---
+    def destroy(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) for launched operations, then close the links gracefully."""
+        with self._lock:
+            if self.state != _OPEN:
+                return
+            self.state = _DESTROYED
+            self._lock.wait_for(lambda: self._inflight == 0, timeout)
+        self._say_goodbye()
+
+    def release(self) -> None:
+        """Destroy without blocking (garbage collection): close once the launched operations are done."""
+        with self._lock:
+            if self.state != _OPEN:
+                return
+            self.state = _DESTROYED
+            self._close_when_idle = True
+            idle = self._inflight == 0
+        if idle:
+            self._say_goodbye()
+
+    def abort(self) -> None:
+        """Fail everything in flight at once and cut the links; never blocks."""
+        with self._lock:
+            if self.state == _ABORTED:
+                return
+            self.state = _ABORTED
+        self.mailbox.fail(NcclError(INVALID_USAGE, "the communicator was aborted while the operation was in flight"))
+        for link in self.links.values():
+            link.cut()
+
+    def _say_goodbye(self) -> None:
+        self._close_when_idle = False
+        self.mailbox.fail(NcclError(INVALID_ARGUMENT, "the communicator was destroyed"))
+        for link in self.links.values():
+            link.goodbye()
+
+
+# --- launching -------------------------------------------------------------------------------
+
+_group = threading.local()
+
+
+def _group_ops() -> list[tuple[Op, Stream]]:
+    if not hasattr(_group, "ops"):
+        _group.depth, _group.ops = 0, []
+    return _group.ops
+
+
+def group_start() -> None:
+    """Start collecting operations (nesting is counted per thread)."""
+    _group_ops()
+    _group.depth += 1
+
+
+def group_end(timeout: float) -> None:
+    """Close one group level; the outermost launches everything collected."""
+    ops = _group_ops()
+    if _group.depth == 0:
+        raise NcclError(INVALID_USAGE, "groupEnd() without a matching groupStart()")
+    _group.depth -= 1
+    if _group.depth == 0 and ops:
+        _group.ops = []
+        _launch(ops, timeout)
+
+
+def submit(op: Op, stream: Stream, timeout: float) -> None:
+    """Launch ``op`` on ``stream`` now, or at the outermost groupEnd() if a group is open."""
+    ops = _group_ops()
+    if _group.depth > 0:
+        ops.append((op, stream))
+    else:
+        _launch([(op, stream)], timeout)
+
+
+def _launch(items: list[tuple[Op, Stream]], timeout: float) -> None:
+    """Run the operations as one unit on the first one's stream; the other streams join it before and after."""
+    streams = list(dict.fromkeys(stream for _, stream in items))
+    lead, others = streams[0], streams[1:]
+    ops = [op for op, _ in items]
+    for op in ops:
+        op.comm.begin()
+    for stream in others:
+        lead.wait_event(stream.record())
+    if lead.ptr == 0:
+        error = execute(ops, timeout)
+        if error is not None:
+            raise error
+    else:
+        lead.enqueue(lambda: execute(ops, timeout))
+    done = lead.record()
+    for stream in others:
+        stream.wait_event(done)
+
+
+def execute(ops: list[Op], timeout: float) -> NcclError | None:
+    """Post every operation, then complete them; return the first error (each is stored on its communicator)."""
+    deadline = time.monotonic() + timeout
+    errors: list[NcclError] = []
+    try:
+        posted = [op for op in ops if _guarded(op, op.post, errors)]
+        helpers = []
+        for op in posted:
+            step = lambda op=op: _guarded(op, lambda: op.finish(deadline), errors)  # noqa: E731
+            if op.multi_phase and len(ops) > 1:  # it sends while completing: must not wait behind the others
+                helpers.append(threading.Thread(target=step, name="nccl-emulator-group", daemon=True))
+                helpers[-1].start()
+            else:
+                step()
+        for helper in helpers:
+            helper.join()
+    finally:
+        for op in ops:
+            op.comm.end()
+    return errors[0] if errors else None
+
+
+def _guarded(op: Op, step, errors: list[NcclError]) -> bool:
+    """Run one step of ``op``; on failure break its communicator and record the error."""
+    try:
+        op.comm.check_runnable()
+        step()
+        return True
+    except Exception as exc:
+        error = exc if isinstance(exc, NcclError) else NcclError(INTERNAL_ERROR, f"emulator bug: {exc!r}")
+        op.abandon()
+        op.comm.fail(error)
+        errors.append(error)
+        return False
+
+
+# --- commSplit -------------------------------------------------------------------------------
+
+
+def split(parent: CommCore, color: int, key: int, timeout: float) -> CommCore | None:
+    """ncclCommSplit over the parent's own links: all-gather (color, key, address), then build the new mesh."""
+    listener = open_listener() if color >= 0 else None
+    try:
+        port = listener.getsockname()[1] if listener is not None else 0
+        mine = np.frombuffer(_SPLIT_RECORD.pack(color, key, socket.inet_aton(parent.ip), port), np.uint8)
+        everyone = np.empty(parent.size * mine.size, np.uint8)
+        seq = parent.next_collective()
+        parent.begin()
+        error = execute([AllGather(parent, seq, mine, everyone)], timeout)
+        if error is not None:
+            raise error
+        if listener is None:
+            return None
+        records = [_SPLIT_RECORD.unpack(bytes(r)) for r in everyone.reshape(parent.size, -1)]
+        members = sorted((k, r) for r, (c, k, _, _) in enumerate(records) if c == color)
+        table = [(socket.inet_ntoa(records[r][2]), records[r][3]) for _, r in members]
+        new_rank = members.index((key, parent.rank))
+        digest = hashlib.blake2b(struct.pack("<QQq", parent.comm_id, seq, color), digest_size=8).digest()
+        comm_id = int.from_bytes(digest, "little")
+        socks = connect_mesh(comm_id, new_rank, table, listener, time.monotonic() + timeout)
+        listener = None  # connect_mesh closed it
+        return CommCore(new_rank, len(table), comm_id, socks, parent.ip)
+    finally:
+        if listener is not None:
+            listener.close()

@@ -1,0 +1,366 @@
+"""An EMULATOR of ``cupy.cuda.nccl`` on host memory, for running commlib's nccl backend without a GPU.
+
+It has the public surface of ``cupy.cuda.nccl`` (same constants, functions,
+``NcclCommunicator`` methods and argument names) plus ``cuda``, the small part
+of ``cupy.cuda`` the backend uses (streams, events, devices). "Device
+pointers" are host addresses (e.g. ``numpy_array.ctypes.data``); streams are
+host worker threads; data moves between ranks over TCP. ``EMULATED`` is True.
+
+World formation works like NCCL's: ``get_unique_id()`` starts a bootstrap root
+in the calling process; any launcher may carry the id to the other ranks, which
+pass it to ``NcclCommunicator(ndev, commId, rank)``. Timeouts (initialisation,
+and every operation from the moment it starts running) come from the environment
+variable ``COMMLIB_NCCL_EMULATOR_TIMEOUT`` (seconds, default 300); a failed or
+timed-out operation breaks its communicator and is reported by
+``check_async_error()``, like an NCCL async error.
+
+Not NCCL: no GPU, NVLink or InfiniBand, no CUDA graphs; calls on the null
+stream (0) run synchronously in the caller; other streams do not synchronise
+implicitly with the null stream (use events); a send never needs its matching
+receive to be posted (NCCL may deadlock where the emulator does not);
+float16/bfloat16 reductions accumulate in float32; ``initAll`` accepts any
+device ids; creating a communicator blocks at once, even inside a group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import sys
+import threading
+import time
+
+import numpy as np
+
+from ._emulator_comm import CommCore, group_end, group_start, split, submit
+from ._emulator_errors import INVALID_ARGUMENT, NcclError, check_status, op_timeout
+from ._emulator_ops import (
+    DTYPES,
+    REDOPS,
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Op,
+    Recv,
+    Reduce,
+    ReduceScatter,
+    Send,
+    host_array,
+)
+from ._emulator_streams import Stream, cuda, resolve_stream
+from ._emulator_wire import bootstrap, connect_mesh, new_unique_id, open_listener
+
+__all__ = [
+    "EMULATED",
+    "NCCL_AVG",
+    "NCCL_BFLOAT16",
+    "NCCL_CHAR",
+    "NCCL_DOUBLE",
+    "NCCL_FLOAT",
+    "NCCL_FLOAT16",
+    "NCCL_FLOAT32",
+    "NCCL_FLOAT64",
+    "NCCL_HALF",
+    "NCCL_INT",
+    "NCCL_INT32",
+    "NCCL_INT64",
+    "NCCL_INT8",
+    "NCCL_MAX",
+    "NCCL_MIN",
+    "NCCL_PROD",
+    "NCCL_SUM",
+    "NCCL_UINT32",
+    "NCCL_UINT64",
+    "NCCL_UINT8",
+    "NcclCommunicator",
+    "NcclConfig",
+    "NcclError",
+    "available",
+    "check_status",
+    "cuda",
+    "get_build_version",
+    "get_unique_id",
+    "get_version",
+    "groupEnd",
+    "groupStart",
+]
+
+#: This module is an emulator, not NVIDIA's NCCL.
+EMULATED = True
+available = True
+
+# ncclRedOp_t and ncclDataType_t, the values of cupy.cuda.nccl (cupy 14, NCCL 2.x).
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
+NCCL_INT8 = NCCL_CHAR = 0
+NCCL_UINT8 = 1
+NCCL_INT32 = NCCL_INT = 2
+NCCL_UINT32 = 3
+NCCL_INT64 = 4
+NCCL_UINT64 = 5
+NCCL_FLOAT16 = NCCL_HALF = 6
+NCCL_FLOAT32 = NCCL_FLOAT = 7
+NCCL_FLOAT64 = NCCL_DOUBLE = 8
+NCCL_BFLOAT16 = 9
+
+_SPLIT_NOCOLOR = -1  # NCCL_SPLIT_NOCOLOR in nccl.h (cupy does not export it)
+_VERSION = 22105  # NCCL 2.21.5 in NCCL's encoding (major*10000 + minor*100 + patch): what the emulator mimics
+
+
+def get_unique_id() -> bytes:
+    """Start a bootstrap root in this process and return the 128-byte id naming it (cupy >= 14 returns bytes)."""
+    return new_unique_id(op_timeout())
+
+
+def get_version() -> int:
+    """The NCCL EMULATOR's version: 22105, i.e. it mimics NCCL 2.21.5 (no real NCCL is involved)."""
+    return _VERSION
+
+
+def get_build_version() -> int:
+    """The NCCL EMULATOR's build version (same as ``get_version()``)."""
+    return _VERSION
+
+
+def groupStart() -> None:
+    """Start a group: NCCL calls of this thread are collected until the matching groupEnd()."""
+    group_start()
+
+
+def groupEnd() -> None:
+    """End a group; the outermost groupEnd() launches the collected calls (sends/recvs in any order)."""
+    group_end(op_timeout())
+
+
+class NcclConfig:
+    """Configuration for communicator creation; accepted and ignored by the emulator."""
+
+    def __init__(self, split_share: int = 0) -> None:
+        self.split_share = split_share
+
+
+def _index(value: object, name: str) -> int:
+    """An integer argument, converted like Cython does (TypeError for non-integers)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+
+
+def _size_t(value: object, name: str) -> int:
+    number = _index(value, name)
+    if number < 0:
+        raise OverflowError(f"can't convert negative value to size_t ({name}={number})")
+    return number
+
+
+def _dtype(datatype: object) -> np.dtype:
+    dtype = DTYPES.get(_index(datatype, "datatype"))
+    if dtype is None:
+        raise NcclError(INVALID_ARGUMENT, f"datatype {datatype} is not an NCCL datatype")
+    return dtype
+
+
+def _redop(op: object) -> int:
+    code = _index(op, "op")
+    if code not in REDOPS:
+        raise NcclError(INVALID_ARGUMENT, f"op {op} is not an NCCL reduction")
+    return code
+
+
+def _stream(stream: object) -> Stream:
+    try:
+        return resolve_stream(_index(stream, "stream"))
+    except KeyError:
+        raise NcclError(INVALID_ARGUMENT, f"stream {stream:#x} is not a live emulated stream") from None
+
+
+def _host(ptr: object, count: int, dtype: np.dtype, name: str) -> np.ndarray:
+    address = _index(ptr, name)
+    if address == 0 and count > 0:
+        raise NcclError(INVALID_ARGUMENT, f"{name} is NULL")
+    return host_array(address, count, dtype)
+
+
+class NcclCommunicator:
+    """An EMULATED NCCL communicator (cupy.cuda.nccl.NcclCommunicator's API) for host memory and TCP."""
+
+    def __init__(self, ndev: int, commId: bytes, rank: int, config: NcclConfig | None = None) -> None:
+        self._core: CommCore | None = None
+        self._device = cuda.runtime.getDevice()
+        ndev, rank = _index(ndev, "ndev"), _index(rank, "rank")
+        if ndev < 1 or not 0 <= rank < ndev:
+            raise NcclError(INVALID_ARGUMENT, f"rank {rank} is not in a world of ndev={ndev}")
+        timeout = op_timeout()
+        listener = open_listener()
+        try:
+            comm_id, table, ip = bootstrap(commId, ndev, rank, listener.getsockname()[1], timeout)
+            socks = connect_mesh(comm_id, rank, table, listener, time.monotonic() + timeout)
+        finally:
+            listener.close()
+        self._core = CommCore(rank, ndev, comm_id, socks, ip)
+
+    @classmethod
+    def _wrap(cls, core: CommCore, device: int) -> NcclCommunicator:
+        comm = cls.__new__(cls)
+        comm._core, comm._device = core, device
+        return comm
+
+    def __repr__(self) -> str:
+        core = self._core
+        if core is None:
+            return "<NcclCommunicator (NCCL EMULATOR, not initialised)>"
+        return f"<NcclCommunicator (NCCL EMULATOR) rank {core.rank}/{core.size} id {core.comm_id:#018x} {core.state}>"
+
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None and not sys.is_finalizing():  # at exit the process's sockets close anyway
+            with contextlib.suppress(Exception):
+                core.release()  # like cupy's __dealloc__ -> destroy, but never blocking the garbage collector
+
+    @property
+    def comm(self) -> int:
+        """A non-zero handle while the communicator is usable, else 0 (cupy's ``ncclComm_t`` value)."""
+        core = self._core
+        return core.comm_id if core is not None and core.state == "open" else 0
+
+    def _open(self) -> CommCore:
+        core = self._core
+        if core is None or core.state != "open":
+            raise NcclError(INVALID_ARGUMENT, "the communicator was destroyed or aborted")
+        return core
+
+    def _usable(self) -> CommCore:
+        core = self._open()
+        core.check_usable()
+        return core
+
+    @staticmethod
+    def initAll(devices: int | list[int]) -> list[NcclCommunicator]:
+        """Create one communicator per entry of ``devices`` in this process (emulated devices, any ids)."""
+        if isinstance(devices, int):
+            devices = list(range(devices))
+        elif not isinstance(devices, list):
+            raise ValueError('"devices" should be an int or a list of int.')
+        uid, comms, errors = get_unique_id(), [None] * len(devices), []
+
+        def make(rank: int) -> None:
+            try:
+                comms[rank] = NcclCommunicator(len(devices), uid, rank)
+                comms[rank]._device = devices[rank]
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in range(len(devices))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return comms
+
+    def destroy(self) -> None:
+        """Wait for the launched operations, then close the connections gracefully (idempotent)."""
+        if self._core is not None:
+            self._core.destroy(op_timeout())
+
+    def abort(self) -> None:
+        """Fail every operation in flight at once, close the connections, and return without waiting."""
+        if self._core is not None:
+            self._core.abort()
+
+    def device_id(self) -> int:
+        """The emulated device of this communicator (0 unless made by initAll)."""
+        self._open()
+        return self._device
+
+    def rank_id(self) -> int:
+        """This process's rank in the communicator."""
+        return self._open().rank
+
+    def size(self) -> int:
+        """The number of ranks."""
+        return self._open().size
+
+    def check_async_error(self) -> None:
+        """Raise the NcclError that broke the communicator (a failed or timed-out operation), if any."""
+        error = self._open().async_error
+        if error is not None:
+            raise NcclError(error.status, error.detail)
+
+    def _submit(self, op: Op, stream: Stream) -> None:
+        submit(op, stream, op_timeout())
+
+    def _root(self, core: CommCore, root: object, name: str = "root") -> int:
+        value = _index(root, name)
+        if not 0 <= value < core.size:
+            raise NcclError(INVALID_ARGUMENT, f"{name} {value} is not a rank of a communicator of size {core.size}")
+        return value
+
+    def _common(self, count: object, datatype: object, stream: object, name: str = "count") -> tuple:
+        """Validate what every operation takes: (core, count, dtype, stream)."""
+        core = self._usable()
+        return core, _size_t(count, name), _dtype(datatype), _stream(stream)
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
+        """Enqueue ncclAllReduce on ``stream`` (in place when sendbuf == recvbuf)."""
+        core, count, dtype, s = self._common(count, datatype, stream)
+        redop = _redop(op)
+        src, dst = _host(sendbuf, count, dtype, "sendbuf"), _host(recvbuf, count, dtype, "recvbuf")
+        self._submit(AllReduce(core, core.next_collective(), src, dst, redop), s)
+
+    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int) -> None:
+        """Enqueue ncclReduce on ``stream`` (recvbuf is written on ``root`` only)."""
+        core, count, dtype, s = self._common(count, datatype, stream)
+        redop, root = _redop(op), self._root(core, root)
+        src = _host(sendbuf, count, dtype, "sendbuf")
+        dst = _host(recvbuf, count, dtype, "recvbuf") if core.rank == root else src
+        self._submit(Reduce(core, core.next_collective(), src, dst, redop, root), s)
+
+    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int, stream: int) -> None:
+        """Enqueue ncclBroadcast on ``stream`` (sendbuff is read on ``root`` only)."""
+        core, count, dtype, s = self._common(count, datatype, stream)
+        root = self._root(core, root)
+        dst = _host(recvbuff, count, dtype, "recvbuff")
+        src = _host(sendbuff, count, dtype, "sendbuff") if core.rank == root else dst
+        self._submit(Broadcast(core, core.next_collective(), src, dst, root), s)
+
+    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
+        """Enqueue ncclBcast (an in-place broadcast) on ``stream``."""
+        self.broadcast(buff, buff, count, datatype, root, stream)
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int) -> None:
+        """Enqueue ncclReduceScatter on ``stream`` (sendbuf holds size() * recvcount elements)."""
+        core, count, dtype, s = self._common(recvcount, datatype, stream, "recvcount")
+        redop = _redop(op)
+        src, dst = _host(sendbuf, count * core.size, dtype, "sendbuf"), _host(recvbuf, count, dtype, "recvbuf")
+        self._submit(ReduceScatter(core, core.next_collective(), src, dst, redop), s)
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
+        """Enqueue ncclAllGather on ``stream`` (recvbuf holds size() * count elements)."""
+        core, count, dtype, s = self._common(count, datatype, stream)
+        src, dst = _host(sendbuf, count, dtype, "sendbuf"), _host(recvbuf, count * core.size, dtype, "recvbuf")
+        self._submit(AllGather(core, core.next_collective(), src, dst), s)
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        """Enqueue ncclSend to ``peer`` on ``stream``."""
+        core, count, dtype, s = self._common(count, datatype, stream)
+        peer = self._root(core, peer, "peer")
+        src = _host(sendbuf, count, dtype, "sendbuf")
+        self._submit(Send(core, core.next_p2p(peer, sending=True), src, peer), s)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        """Enqueue ncclRecv from ``peer`` on ``stream``."""
+        core, count, dtype, s = self._common(count, datatype, stream)
+        peer = self._root(core, peer, "peer")
+        dst = _host(recvbuf, count, dtype, "recvbuf")
+        self._submit(Recv(core, core.next_p2p(peer, sending=False), dst, peer), s)
+
+    def commSplit(self, color: int, key: int, config: NcclConfig | None = None) -> NcclCommunicator | None:
+        """Split collectively: ranks of equal ``color`` form a communicator ordered by (key, rank); -1 gets None."""
+        core = self._usable()
+        color, key = _index(color, "color"), _index(key, "key")
+        if color < _SPLIT_NOCOLOR:
+            raise NcclError(INVALID_ARGUMENT, f"color must be >= 0 or NCCL_SPLIT_NOCOLOR (-1), got {color}")
+        child = split(core, color, key, op_timeout())
+        return None if child is None else NcclCommunicator._wrap(child, self._device)

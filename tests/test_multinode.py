@@ -1,0 +1,92 @@
+"""Two "nodes" on one machine: network namespaces joined by a veth pair, the launcher run in each
+with --nnodes 2, and the job's collectives checked across them (root only; skipped otherwise)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = """
+import numpy as np, commlib as dist
+n, me = dist.get_world_size(), dist.get_rank()
+x = np.full(2, me + 1.0)
+dist.all_reduce(x)
+out = np.zeros(n, np.int64)
+dist.all_gather_into_tensor(out, np.array([me * 10], np.int64))
+g = dist.new_group([1, 2])  # one rank from each node
+y = np.array([float(me)])
+if me in (1, 2):
+    dist.broadcast(y, src=2, group=g)
+print(f"node-job rank {me}/{n} node {dist.env.get_node_size()} sum {x[0]:g} gathered {out.tolist()} bcast {y[0]:g}")
+"""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_nodes() -> tuple[str, str]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    a, b = f"cla{tag}", f"clb{tag}"
+    try:
+        _ip("netns", "add", a)
+        _ip("netns", "add", b)
+        _ip("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
+    except (subprocess.CalledProcessError, OSError) as e:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot create network namespaces here: {getattr(e, 'stderr', e)!r}")
+    try:
+        for ns, dev, addr in ((a, f"va{tag}", "10.77.7.1/24"), (b, f"vb{tag}", "10.77.7.2/24")):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield a, b
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_launcher_joins_two_nodes(two_nodes: tuple[str, str], tmp_path: Path) -> None:
+    script = tmp_path / "node_job.py"
+    script.write_text(JOB)
+    env = {**os.environ, "COMMLIB_STORE_TOKEN": "shared-secret", "COMMLIB_TIMEOUT": "60"}
+    procs = []
+    for node, ns in enumerate(two_nodes):
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            sys.executable,
+            "-m",
+            "commlib.launch",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "10.77.7.1",
+            "--master_port",
+            "29640",
+            str(script),
+        ]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    lines = sorted(line.split("] ", 1)[1] for out, _ in outs for line in out.splitlines() if "node-job" in line)
+    assert lines == [
+        f"node-job rank {r}/4 node 2 sum 10 gathered [0, 10, 20, 30] bcast {2 if r in (1, 2) else r}" for r in range(4)
+    ], outs
