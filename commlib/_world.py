@@ -97,7 +97,7 @@ def init_process_group(
             f"init_process_group: init_method must start with env://, tcp:// or file://, got {init_method!r}"
         )
     seconds = _default_timeout(name) if timeout is None else as_seconds(timeout, "init_process_group")
-    world = _state.world or _make_world(name, seconds, world_size, rank)
+    world = _state.world or _make_world(name, seconds, world_size, rank, init_method or "env://")
     _check_explicit(world, world_size, rank)  # before anything is recorded: a refused call changes nothing
     world.timeout = seconds
     _state.world, _state.implicit = world, False
@@ -105,7 +105,9 @@ def init_process_group(
         _state.groups.insert(0, world)
 
 
-def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1) -> ProcessGroup:
+def _make_world(
+    name: str, timeout: float, world_size: int = -1, rank: int = -1, init_method: str = "env://"
+) -> ProcessGroup:
     from commlib.backends import mpi
 
     if name == "nccl":
@@ -115,7 +117,7 @@ def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1)
     info = launch_info()
     backend = mpi.world()
     if backend.size < info.world_size and info.num_nodes > 1 and backend.size == info.local_world_size:
-        backend = _join_nodes(backend, info, timeout)
+        backend = _join_nodes(backend, info, timeout, init_method)
     if backend.size == 1 and max(info.world_size, world_size) > 1:
         expected = max(info.world_size, world_size)
         raise BackendUnavailableError(
@@ -131,14 +133,31 @@ def _make_world(name: str, timeout: float, world_size: int = -1, rank: int = -1)
     )
 
 
-def _join_nodes(local: Any, info: LaunchInfo, timeout: float) -> Any:
+def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float) -> Any:
+    """The store named by ``init_method``: ``tcp://host:port``, ``file:///path``, or ``env://`` (MASTER_ADDR/PORT)."""
+    from commlib.store import FileStore, TCPStore
+
+    token = os.environ.get("COMMLIB_STORE_TOKEN")
+    if init_method.startswith("file://"):
+        return FileStore(init_method[len("file://") :], info.world_size)
+    if init_method.startswith("tcp://"):
+        host, _, port = init_method[len("tcp://") :].rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"init_process_group: init_method must look like tcp://host:port, got {init_method!r}")
+        return TCPStore(host.strip("[]"), int(port), timeout=timeout, token=token)
+    if not info.master_addr or not info.master_port:
+        raise BackendUnavailableError(
+            "init_process_group: joining nodes needs MASTER_ADDR and MASTER_PORT (env://), or init_method="
+            "'tcp://host:port' or 'file:///shared/path'"
+        )
+    return TCPStore(info.master_addr, info.master_port, timeout=timeout, token=token)
+
+
+def _join_nodes(local: Any, info: LaunchInfo, timeout: float, init_method: str) -> Any:
     """One MPI communicator out of the per-node MPI worlds (``commlib.launch --nnodes N``)."""
     from commlib.backends import mpi
-    from commlib.store import TCPStore
 
-    if not info.master_addr or not info.master_port:
-        raise BackendUnavailableError("init_process_group: joining nodes needs MASTER_ADDR and MASTER_PORT")
-    store = TCPStore(info.master_addr, info.master_port, timeout=timeout, token=os.environ.get("COMMLIB_STORE_TOKEN"))
+    store = rendezvous_store(init_method, info, timeout)
     try:
         return mpi.join_nodes(local, info.node_rank, info.num_nodes, info.rank, store, timeout)
     finally:

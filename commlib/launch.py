@@ -40,7 +40,13 @@ def _nproc(value: str) -> int:
     if value in ("auto", "cpu"):
         return os.cpu_count() or 1
     if value == "gpu":
-        raise argparse.ArgumentTypeError("--nproc_per_node gpu: no GPU support in this version; give a number")
+        from commlib.backends._cuda import nccl_unavailable_reason
+
+        if (why := nccl_unavailable_reason()) is not None:
+            raise argparse.ArgumentTypeError(f"gpu: {why}; give a number, or auto/cpu")
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
     try:
         n = int(value)
     except ValueError:
@@ -71,11 +77,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--logdir", default="log", help="folder for per-rank output (default: ./log)")
     p.add_argument("--standalone", action="store_true", help="single-node job on localhost (torchrun's flag)")
+    p.add_argument("--max_restarts", type=int, default=0, help="restart every worker up to N times after a failure")
     p.add_argument("training_script", help="the script (or module with -m, or program with --no_python)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = p.parse_args(argv)
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node_rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
+    if args.max_restarts < 0:
+        p.error(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    if args.max_restarts and args.nnodes != 1:
+        p.error("--max_restarts restarts a single-node job; across nodes, restart the launchers together")
     if args.standalone and args.nnodes != 1:
         p.error("--standalone is a single-node job; drop --nnodes")
     if args.module and args.no_python:
@@ -122,8 +133,23 @@ def build_command(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the job; return its exit code (128 + N when a worker was killed by signal N)."""
+    """Run the job, restarting it up to ``--max_restarts`` times; return its exit code."""
     args = parse_args(argv)
+    stopped: list[int] = []  # set by Ctrl-C / SIGTERM: no restart after that
+    for attempt in range(args.max_restarts + 1):
+        code = _attempt(args, stopped)
+        if code == 0 or stopped or attempt == args.max_restarts:
+            return code
+        print(
+            f"commlib.launch: restarting every worker ({attempt + 1} of {args.max_restarts} restarts)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return code
+
+
+def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
+    """Run the workers once; return the job's exit code (128 + N when a worker was killed by signal N)."""
     with tempfile.TemporaryDirectory(prefix="commlib-launch-") as status:
         env = dict(os.environ, COMMLIB_LAUNCH_STATUS=status)
         if not env.get("OMP_NUM_THREADS"):
@@ -132,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         proc = subprocess.Popen(build_command(args), env=env)
 
         def forward(signum: int, _frame: object) -> None:
+            stopped.append(signum)
             proc.send_signal(signal.SIGTERM)  # hydra stops every rank on SIGTERM
 
         for signum in (signal.SIGINT, signal.SIGTERM):

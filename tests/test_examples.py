@@ -221,3 +221,43 @@ def test_a_worker_that_never_arrives_times_out_the_others(tmp_path: Path) -> Non
     assert "CommTimeoutError" in proc.stdout + proc.stderr
     assert "all_reduce (call #6 on group 'world', ranks [0, 1, 2]) did not complete within 2 s" in proc.stderr
     assert _job_processes(str(script)) == []
+
+
+def test_max_restarts_restarts_the_whole_group(tmp_path: Path) -> None:
+    """Rank 1 fails on the first two attempts; with --max_restarts 2 the third attempt succeeds."""
+    marker = tmp_path / "attempts"
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import sys, numpy as np, commlib as dist\nfrom pathlib import Path\n"
+        f"marker = Path({str(marker)!r})\n"
+        "if dist.get_rank() == 1:\n"
+        "    n = int(marker.read_text()) if marker.exists() else 0\n"
+        "    marker.write_text(str(n + 1))\n"
+        "    if n < 2:\n        raise RuntimeError(f'attempt {n} fails')\n"
+        "x = np.ones(2)\ndist.all_reduce(x)\nprint('ok', dist.get_rank(), x[0])\n"
+    )
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "--max_restarts", "2", str(script)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("commlib.launch: restarting every worker") == 2
+    assert marker.read_text() == "3"
+    assert sorted(line for line in proc.stdout.splitlines() if " ok " in f" {line.split('] ', 1)[-1]} ") == [
+        "[0] ok 0 2.0",
+        "[1] ok 1 2.0",
+    ]
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "--max_restarts", "1", str(script)])
+    assert proc.returncode == 0  # the marker says attempt 3+: no failure any more
+
+
+def test_nproc_per_node_gpu_without_a_gpu_is_explained() -> None:
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "gpu", "x.py"])
+    assert proc.returncode == 2 and "gpu: no NVIDIA GPU is visible" in proc.stderr
+
+
+def test_demo_on_the_nccl_emulator_through_the_launcher() -> None:
+    proc = _run(
+        [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "-m", "commlib.demo"],
+        env={"COMMLIB_NCCL_EMULATOR": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "[0] commlib demo: 2 ranks, backend nccl" in proc.stdout
+    assert "[0] 14 collectives on 2 ranks: all results correct" in proc.stdout

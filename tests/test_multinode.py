@@ -90,3 +90,45 @@ def test_launcher_joins_two_nodes(two_nodes: tuple[str, str], tmp_path: Path) ->
     assert lines == [
         f"node-job rank {r}/4 node 2 sum 10 gathered [0, 10, 20, 30] bcast {2 if r in (1, 2) else r}" for r in range(4)
     ], outs
+
+
+@pytest.mark.parametrize("init_method", ["env://", "file://{tmp}/rendezvous", "tcp://127.0.0.1:29653"])
+def test_two_launchers_on_one_host_join(tmp_path: Path, init_method: str) -> None:
+    """Two "nodes" on loopback (no root needed), rendezvous through each kind of init_method."""
+    method = init_method.format(tmp=tmp_path)
+    script = tmp_path / "node_job.py"
+    script.write_text(f"import commlib as dist\ndist.init_process_group(init_method={method!r})\n" + JOB)
+    procs = []
+    if method.startswith("tcp://"):  # someone must serve the store named by tcp://: here, the test
+        from commlib.store import TCPStore
+
+        server = TCPStore("127.0.0.1", 29653, is_master=True, wait_for_workers=False)
+    else:
+        server = None
+    try:
+        for node in range(2):
+            cmd = [
+                sys.executable,
+                "-m",
+                "commlib.launch",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                "29652",
+                str(script),
+            ]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        if server is not None:
+            server.close()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    lines = sorted(line.split("] ", 1)[1] for out, _ in outs for line in out.splitlines() if "node-job" in line)
+    assert len(lines) == 4 and all("sum 10 gathered [0, 10, 20, 30]" in line for line in lines), outs
