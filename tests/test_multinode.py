@@ -56,79 +56,43 @@ def two_nodes() -> tuple[str, str]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_launcher_joins_two_nodes(two_nodes: tuple[str, str], tmp_path: Path) -> None:
-    script = tmp_path / "node_job.py"
-    script.write_text(JOB)
-    env = {**os.environ, "COMMLIB_STORE_TOKEN": "shared-secret", "COMMLIB_TIMEOUT": "60"}
+def _run_two_nodes(script: Path, master: str, port: int, prefixes: list[list[str]], env: dict) -> list[str]:
+    """Start the launcher for node 0 and node 1 (each behind its command prefix); return the job's lines."""
     procs = []
-    for node, ns in enumerate(two_nodes):
-        cmd = [
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            sys.executable,
-            "-m",
-            "commlib.launch",
-            "--nnodes",
-            "2",
-            "--node_rank",
-            str(node),
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "10.77.7.1",
-            "--master_port",
-            "29640",
-            str(script),
-        ]
+    for node, prefix in enumerate(prefixes):
+        flags = ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2"]
+        flags += ["--master_addr", master, "--master_port", str(port)]
+        cmd = [*prefix, sys.executable, "-m", "commlib.launch", *flags, str(script)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    lines = sorted(line.split("] ", 1)[1] for out, _ in outs for line in out.splitlines() if "node-job" in line)
+    return sorted(line.split("] ", 1)[1] for out, _ in outs for line in out.splitlines() if "node-job" in line)
+
+
+def test_launcher_joins_two_nodes(two_nodes: tuple[str, str], tmp_path: Path) -> None:
+    script = tmp_path / "node_job.py"
+    script.write_text(JOB)
+    env = {**os.environ, "COMMLIB_STORE_TOKEN": "shared-secret", "COMMLIB_TIMEOUT": "60"}
+    lines = _run_two_nodes(script, "10.77.7.1", 29640, [["ip", "netns", "exec", ns] for ns in two_nodes], env)
     assert lines == [
         f"node-job rank {r}/4 node 2 sum 10 gathered [0, 10, 20, 30] bcast {2 if r in (1, 2) else r}" for r in range(4)
-    ], outs
+    ], lines
 
 
 @pytest.mark.parametrize("init_method", ["env://", "file://{tmp}/rendezvous", "tcp://127.0.0.1:29653"])
 def test_two_launchers_on_one_host_join(tmp_path: Path, init_method: str) -> None:
     """Two "nodes" on loopback (no root needed), rendezvous through each kind of init_method."""
+    from commlib.store import TCPStore
+
     method = init_method.format(tmp=tmp_path)
     script = tmp_path / "node_job.py"
     script.write_text(f"import commlib as dist\ndist.init_process_group(init_method={method!r})\n" + JOB)
-    procs = []
-    if method.startswith("tcp://"):  # someone must serve the store named by tcp://: here, the test
-        from commlib.store import TCPStore
-
-        server = TCPStore("127.0.0.1", 29653, is_master=True, wait_for_workers=False)
-    else:
-        server = None
+    # Someone must serve the store a tcp:// init_method names: here, the test.
+    server = TCPStore("127.0.0.1", 29653, is_master=True, wait_for_workers=False) if "tcp" in method else None
     try:
-        for node in range(2):
-            cmd = [
-                sys.executable,
-                "-m",
-                "commlib.launch",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--nproc_per_node",
-                "2",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                "29652",
-                str(script),
-            ]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=120) for p in procs]
+        lines = _run_two_nodes(script, "127.0.0.1", 29652, [[], []], dict(os.environ))
     finally:
         if server is not None:
             server.close()
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    lines = sorted(line.split("] ", 1)[1] for out, _ in outs for line in out.splitlines() if "node-job" in line)
-    assert len(lines) == 4 and all("sum 10 gathered [0, 10, 20, 30]" in line for line in lines), outs
+    assert len(lines) == 4 and all("sum 10 gathered [0, 10, 20, 30]" in line for line in lines), lines
