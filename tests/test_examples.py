@@ -261,3 +261,33 @@ def test_demo_on_the_nccl_emulator_through_the_launcher() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "[0] commlib demo: 2 ranks, backend nccl" in proc.stdout
     assert "[0] 14 collectives on 2 ranks: all results correct" in proc.stdout
+
+
+def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
+    """SIGINT to the launcher (what Ctrl-C sends) stops all workers; nothing of the job is left."""
+    import signal
+
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import time, commlib as dist\nfrom pathlib import Path\ndist.barrier()\n"
+        f"(Path({str(tmp_path)!r}) / f'up{{dist.get_rank()}}').touch()\ntime.sleep(1000)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("up*"))) < 3:  # every worker is past the barrier
+        assert time.monotonic() < deadline and proc.poll() is None, "the job never started"
+        time.sleep(0.05)
+    assert len(_job_processes(str(script))) >= 4  # the launcher, mpiexec and the workers
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 10
+    while _job_processes(str(script)):
+        assert time.monotonic() < deadline, "workers outlived the launcher's Ctrl-C"
+        time.sleep(0.05)
