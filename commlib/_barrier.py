@@ -46,15 +46,15 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     if g.size == 1:
         return
     if g.rank != 0:
-        b.send(np.zeros(1, np.uint8), 0, tag)
-        if not b.recv(np.zeros(1, np.uint8), 0, tag).wait(seconds):
+        b.send(g.xp.zeros(1, np.uint8), 0, tag)
+        if not b.recv(g.xp.zeros(1, np.uint8), 0, tag).wait(seconds):
             _fail(
                 g,
                 f"group rank 0 (global rank {g.ranks[0]}) did not release the barrier within {seconds:g} s; "
                 "it may be waiting for a rank that did not arrive, or have failed",
             )
         return
-    arrivals = {p: b.recv(np.zeros(1, np.uint8), p, tag) for p in range(1, g.size)}
+    arrivals = {p: b.recv(g.xp.zeros(1, np.uint8), p, tag) for p in range(1, g.size)}
     deadline = time.monotonic() + seconds
     poll(lambda: all(h.test() for h in arrivals.values()), seconds)
     missing = [g.ranks[p] for p, h in arrivals.items() if not h.test()]
@@ -65,7 +65,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
             f"ranks {missing} did not reach the barrier within {waited:.3g} s "
             f"(global ranks; {g.size - len(missing)} of {g.size} arrived)",
         )
-    releases = [b.send(np.zeros(1, np.uint8), p, tag) for p in range(1, g.size)]
+    releases = [b.send(g.xp.zeros(1, np.uint8), p, tag) for p in range(1, g.size)]
     poll(lambda: all(h.test() for h in releases), seconds)
 
 

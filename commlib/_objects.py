@@ -48,17 +48,36 @@ def _check_list(g: ProcessGroup, call: str, arg: str, value: Any, size: int | No
         raise ValueError(f"{g.label}{call}: {arg} must have one entry per rank ({size}), got {len(value)}")
 
 
+def _dev(g: ProcessGroup, a: np.ndarray) -> Any:
+    """``a`` where the backend wants it: itself for host backends, a device copy for GPUs."""
+    return a if g.host else g.xp.asarray(a)
+
+
+def _host(g: ProcessGroup, a: Any) -> np.ndarray:
+    return a if g.host else a.get()
+
+
+def _all_gather(g: ProcessGroup, call: str, mine: np.ndarray) -> np.ndarray:
+    out = g.xp.empty(g.size * mine.size, mine.dtype)
+    _run(g, g.backend.all_gather(_dev(g, mine), out), call)
+    return _host(g, out)
+
+
+def _broadcast(g: ProcessGroup, call: str, buf: np.ndarray, root: int) -> np.ndarray:
+    moved = _dev(g, buf)
+    _run(g, g.backend.broadcast(moved, root), call)
+    return _host(g, moved)
+
+
 def all_gather_object(object_list: list, obj: Any, group: ProcessGroup | None = None) -> None:
     """Gather a picklable ``obj`` from every rank into ``object_list`` (length: group size) on every rank."""
     call = "all_gather_object"
     g = resolve(group, call)
     _check_list(g, call, "object_list", object_list, g.size)
     data = _dump(obj)
-    sizes = np.zeros(g.size, _I64)
-    _run(g, g.backend.all_gather(np.array([data.size], _I64), sizes), call)
+    sizes = _all_gather(g, call, np.array([data.size], _I64))
     width = int(sizes.max())
-    out = np.empty(g.size * width, _U8)
-    _run(g, g.backend.all_gather(_padded([data], width), out), call)
+    out = _all_gather(g, call, _padded([data], width))
     object_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
 
 
@@ -76,12 +95,12 @@ def gather_object(
     if g.rank == root:
         _check_list(g, call, "object_gather_list", object_gather_list, g.size)
     data = _dump(obj)
-    sizes = np.zeros(g.size, _I64)
-    _run(g, g.backend.all_gather(np.array([data.size], _I64), sizes), call)
+    sizes = _all_gather(g, call, np.array([data.size], _I64))
     width = int(sizes.max())
-    out = np.empty(g.size * width, _U8) if g.rank == root else None
-    _run(g, gather_handle(g, _padded([data], width), out, root), call)
+    out = g.xp.empty(g.size * width, _U8) if g.rank == root else None
+    _run(g, gather_handle(g, _dev(g, _padded([data], width)), out, root), call)
     if out is not None:
+        out = _host(g, out)
         object_gather_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
 
 
@@ -100,9 +119,9 @@ def broadcast_object_list(
     mine = g.rank == root
     chunks = [_dump(o) for o in object_list] if mine else []
     sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(len(object_list), _I64)
-    _run(g, g.backend.broadcast(sizes, root), call)
+    sizes = _broadcast(g, call, sizes, root)
     payload = np.concatenate(chunks) if mine and chunks else np.empty(int(sizes.sum()), _U8)
-    _run(g, g.backend.broadcast(payload, root), call)
+    payload = _broadcast(g, call, payload, root)
     if not mine:
         starts = np.concatenate([[0], np.cumsum(sizes)])
         object_list[:] = [_load(payload[starts[i] : starts[i + 1]]) for i in range(len(sizes))]
@@ -127,8 +146,8 @@ def scatter_object_list(
         _check_list(g, call, "scatter_object_input_list", scatter_object_input_list, g.size)
     chunks = [_dump(o) for o in scatter_object_input_list] if mine else []
     sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(g.size, _I64)
-    _run(g, g.backend.broadcast(sizes, root), call)
+    sizes = _broadcast(g, call, sizes, root)
     width = int(sizes.max())
-    recv = np.empty(width, _U8)
-    _run(g, scatter_handle(g, _padded(chunks, width) if mine else None, recv, root), call)
-    out_list[0] = _load(recv[: int(sizes[g.rank])])
+    recv = g.xp.empty(width, _U8)
+    _run(g, scatter_handle(g, _dev(g, _padded(chunks, width)) if mine else None, recv, root), call)
+    out_list[0] = _load(_host(g, recv)[: int(sizes[g.rank])])
