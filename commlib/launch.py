@@ -40,13 +40,11 @@ def _nproc(value: str) -> int:
     if value in ("auto", "cpu"):
         return os.cpu_count() or 1
     if value == "gpu":
-        from commlib.backends._cuda import nccl_unavailable_reason
+        from commlib.backends._cuda import device_count, nccl_unavailable_reason
 
         if (why := nccl_unavailable_reason()) is not None:
             raise argparse.ArgumentTypeError(f"gpu: {why}; give a number, or auto/cpu")
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
+        return device_count()
     try:
         n = int(value)
     except ValueError:

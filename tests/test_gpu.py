@@ -22,13 +22,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _device_count() -> int:
-    from commlib.backends._cuda import nccl_unavailable_reason
+    from commlib.backends._cuda import device_count
 
-    if nccl_unavailable_reason() is not None:
-        return 0
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceCount()
+    return device_count()
 
 
 class OnDevice:

@@ -15,7 +15,7 @@ import numpy as np
 from commlib._arrays import DTYPES, reject
 from commlib.errors import BackendUnavailableError
 
-__all__ = ["device_array", "load", "nccl_unavailable_reason"]
+__all__ = ["device_array", "device_count", "load", "nccl_unavailable_reason"]
 
 
 def nccl_unavailable_reason() -> str | None:
@@ -70,3 +70,12 @@ def device_array(obj: object, ctx: object, call: str, arg: str, writable: bool =
     if a.dtype not in DTYPES or not a.flags.c_contiguous:
         reject(a, where, arg, writable=False)  # device memory has no read-only flag to check
     return a
+
+
+def device_count() -> int:
+    """The number of CUDA devices this process sees (0 without a usable GPU)."""
+    if nccl_unavailable_reason() is not None:
+        return 0
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
