@@ -16,10 +16,51 @@ import sys
 from pathlib import Path
 
 
-def _line_buffered(stream: io.TextIOWrapper) -> io.TextIOWrapper:
+def _line_buffered(stream: io.TextIOWrapper) -> io.TextIO:
     # A fresh buffered layer: under PYTHONUNBUFFERED the original has none to line-buffer.
     raw = open(stream.fileno(), "wb", buffering=1 << 16, closefd=False)  # noqa: SIM115 - lives as long as sys.stdout
-    return io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, line_buffering=True)
+    return _Lines(io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors))
+
+
+class _Lines(io.TextIOBase):
+    """Passes on only whole lines: a partial line waits for its newline (or an explicit flush).
+
+    TextIOWrapper's own line buffering flushes after any write that *contains* a
+    newline, so ``print("a\nb")`` would reach hydra as "a\nb" and then "\n", and that
+    lone newline would get a rank prefix of its own.
+    """
+
+    def __init__(self, out: io.TextIOWrapper) -> None:
+        super().__init__()
+        self._out, self._tail = out, ""
+
+    def write(self, text: str) -> int:
+        """Buffer ``text``; pass on everything up to its last newline."""
+        head, newline, tail = (self._tail + text).rpartition("\n")
+        if newline:
+            self._out.write(head + newline)
+            self._out.flush()
+            self._tail = tail
+        else:
+            self._tail = tail
+        return len(text)
+
+    def flush(self) -> None:
+        """Pass on the partial line too (an explicit flush wants it seen)."""
+        if self._tail:
+            self._out.write(self._tail)
+            self._tail = ""
+        self._out.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._out.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._out.encoding
 
 
 def _record(name: str, text: str) -> None:

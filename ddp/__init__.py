@@ -1,0 +1,46 @@
+"""ddp: data-parallel training on commlib collectives.
+
+- :mod:`ddp.planner` -- pure bucket planning (which gradient goes in which flat buffer);
+- :class:`Reducer` -- averages gradients in flat buckets, each bucket's all-reduce started as
+  soon as its last gradient is ready (numpy, cupy, torch or DLPack arrays);
+- :class:`DistributedDataParallel` -- torch's DDP on that reducer, driven by gradient hooks;
+- :class:`DistributedSampler`, :class:`SyncBatchNorm`, :mod:`ddp.comm_hooks`.
+
+torch is optional: ``DistributedDataParallel`` and ``SyncBatchNorm`` import it on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ddp import comm_hooks
+from ddp.planner import Bucket, BucketPlan, ParamInfo, complete_order, plan_buckets
+from ddp.reducer import Reducer, average_all_reduce
+from ddp.sampler import DistributedSampler
+
+__all__ = [
+    "Bucket",
+    "BucketPlan",
+    "DistributedDataParallel",
+    "DistributedSampler",
+    "ParamInfo",
+    "Reducer",
+    "SyncBatchNorm",
+    "average_all_reduce",
+    "comm_hooks",
+    "complete_order",
+    "plan_buckets",
+]
+
+# Names whose modules import torch: loaded on first access, so `import ddp` works without torch.
+_LAZY = {"DistributedDataParallel": "ddp.parallel", "SyncBatchNorm": "ddp.sync_batchnorm"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the torch-backed classes on first use."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ddp' has no attribute {name!r}")

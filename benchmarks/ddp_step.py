@@ -1,0 +1,144 @@
+"""Training-step time: commlib DDP vs torch DDP (gloo) vs one process, 2 ranks, ~25M-parameter MLP.
+
+    python benchmarks/ddp_step.py                 # starts its own 2 ranks under mpiexec
+    python benchmarks/ddp_step.py --batch 64 --repeats 7 --gradient-as-bucket-view
+
+Every rank trains three copies of the same MLP (1024 -> 4096 -> 4096 -> 1024, 25.2M float32
+parameters, 96 MiB of gradients) on the same per-rank batch: wrapped in ``ddp.DistributedDataParallel``
+(commlib, mpi backend), wrapped in ``torch.nn.parallel.DistributedDataParallel`` (gloo, initialised
+in the same processes with env:// on 127.0.0.1), and bare (no communication: the compute floor).
+A step is forward, MSE loss, backward, SGD step. Methods run in rotating order, ``repeats`` rounds
+of ``steps`` steps each; the table shows the median round's time per step of the slower rank.
+This is a benchmark, not a test: it prints numbers and never fails on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+TARGET = "target: commlib DDP / torch DDP <= 1.0"
+SIZES = (1024, 4096, 4096, 1024)
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=2, help="steps per round")
+    p.add_argument("--repeats", type=int, default=15, help="rounds per method (median reported)")
+    p.add_argument("--gradient-as-bucket-view", action="store_true", help="for both DDPs")
+    p.add_argument("--json", help="also write the results to this file")
+    return p.parse_args()
+
+
+def _mlp(torch: Any) -> Any:
+    """The benchmark's model (``torch`` is passed in: it is imported only inside the ranks)."""
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(itertools.pairwise(SIZES)):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(SIZES) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def _stepper(torch: Any, model: Any, x: Any, y: Any) -> Callable[[], None]:
+    """One training step of ``model`` on (x, y): forward, MSE loss, backward, SGD."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        """Forward, loss, backward, optimizer step."""
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def main() -> None:
+    """Start the ranks (when run directly), then time the three methods and print the table."""
+    args = _parse()
+    if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
+        from commlib._mpiexec import find_mpiexec
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"}
+        raise SystemExit(subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env))
+
+    import torch
+    import torch.distributed as tdist
+
+    import commlib
+    import ddp
+
+    torch.set_num_threads(1)
+    commlib.init_process_group("mpi")
+    rank, world = commlib.get_rank(), commlib.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    tdist.init_process_group("gloo", init_method="env://")
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, SIZES[0], generator=g), torch.randn(args.batch, SIZES[-1], generator=g)
+    view = args.gradient_as_bucket_view
+    methods = {
+        "single process": _stepper(torch, _mlp(torch), x, y),
+        "commlib DDP": _stepper(torch, ddp.DistributedDataParallel(_mlp(torch), gradient_as_bucket_view=view), x, y),
+        "torch DDP (gloo)": _stepper(
+            torch, torch.nn.parallel.DistributedDataParallel(_mlp(torch), gradient_as_bucket_view=view), x, y
+        ),
+    }
+    times = _measure(methods, args, commlib)
+    if rank == 0:
+        _report(times, args, sum(p.numel() for p in _mlp(torch).parameters()))
+    tdist.destroy_process_group()
+    commlib.destroy_process_group()
+
+
+def _measure(methods: dict, args: argparse.Namespace, commlib: Any) -> dict[str, list[float]]:
+    """Per-step seconds of each round (the slower rank's), methods in rotating order."""
+    import numpy as np
+
+    for step in methods.values():  # warm-up: first calls allocate, build buckets, connect
+        for _ in range(2):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for r in range(args.repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            commlib.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                methods[name]()
+            slowest = np.array([(time.perf_counter() - start) / args.steps])
+            commlib.all_reduce(slowest, op=commlib.ReduceOp.MAX)
+            times[name].append(float(slowest[0]))
+    return times
+
+
+def _report(times: dict[str, list[float]], args: argparse.Namespace, params: int) -> None:
+    median = {name: statistics.median(v) for name, v in times.items()}
+    base, torch_ddp = median["single process"], median["torch DDP (gloo)"]
+    print(f"# DDP training step, 2 ranks, MLP {' -> '.join(map(str, SIZES))} ({params / 1e6:.1f}M float32 parameters)")
+    print(f"# batch {args.batch} per rank, {args.repeats} rounds of {args.steps} steps, median per-step time")
+    print(f"# of the slower rank; gradient_as_bucket_view={args.gradient_as_bucket_view}")
+    print(f"{'method':<18} {'ms/step':>9} {'min':>9} {'vs single':>10} {'vs torch DDP':>13}")
+    for name, value in median.items():
+        low = min(times[name]) * 1e3
+        print(f"{name:<18} {value * 1e3:>9.1f} {low:>9.1f} {value / base:>9.3f}x {value / torch_ddp:>12.3f}x")
+    print(f"# {TARGET}: commlib DDP / torch DDP = {median['commlib DDP'] / torch_ddp:.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"median_s": median, "rounds_s": times, "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The few array operations the reducer needs, for numpy, cupy, torch and other DLPack arrays.
+
+Families are told apart by duck typing so that nothing here imports torch or cupy: torch
+tensors have ``new_zeros``/``copy_``; numpy and cupy arrays have ``__array_namespace__``;
+any other DLPack exporter is used through a numpy view (host memory only).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ddp.planner import ParamInfo
+
+__all__ = ["as_array", "copy_into", "describe", "flat_view", "is_inexact", "scale", "scale_into", "zero", "zeros_like"]
+
+
+def _is_torch(a: Any) -> bool:
+    return hasattr(a, "new_zeros") and hasattr(a, "copy_")
+
+
+def as_array(a: Any, where: str, arg: str) -> Any:
+    """``a`` itself when it is a numpy/cupy array or torch tensor; else a numpy view through DLPack."""
+    if _is_torch(a) or hasattr(a, "__array_namespace__"):
+        return a
+    if hasattr(a, "__dlpack__"):
+        try:
+            return np.from_dlpack(a)
+        except (TypeError, RuntimeError, BufferError) as e:
+            raise TypeError(f"{where}: {arg} cannot be viewed as a host array through DLPack: {e}") from None
+    raise TypeError(
+        f"{where}: {arg} must be a numpy, cupy or DLPack array (e.g. a torch tensor), got {type(a).__qualname__}"
+    )
+
+
+def is_inexact(a: Any) -> bool:
+    """True for floating-point and complex arrays (gradients can be averaged in place)."""
+    dtype = a.dtype
+    if hasattr(dtype, "is_floating_point"):  # a torch.dtype
+        return bool(dtype.is_floating_point or dtype.is_complex)
+    dtype = np.dtype(dtype)
+    return dtype.kind in "fc" or dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def describe(a: Any, name: str) -> ParamInfo:
+    """The planner's view of array ``a``: element count, item size, dtype and device names."""
+    itemsize = getattr(a, "itemsize", None) or np.dtype(a.dtype).itemsize
+    device = str(getattr(a, "device", "cpu"))
+    return ParamInfo(math.prod(a.shape), int(itemsize), str(a.dtype), device, name)
+
+
+def zeros_like(a: Any, numel: int) -> Any:
+    """A flat zero buffer of ``numel`` elements with ``a``'s family, dtype and device."""
+    if _is_torch(a):
+        return a.new_zeros(numel)
+    xp = a.__array_namespace__()
+    return xp.zeros(numel, dtype=a.dtype)
+
+
+def flat_view(buffer: Any, start: int, numel: int, shape: tuple[int, ...]) -> Any:
+    """``buffer[start:start + numel]`` shaped as ``shape``, sharing memory (same for every family)."""
+    return buffer[start : start + numel].reshape(shape)
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy ``src`` into ``dst`` (same shape); a foreign DLPack ``src`` is read through a host view."""
+    if _is_torch(dst):
+        dst.copy_(src)
+        return
+    if not hasattr(src, "__array_namespace__") and isinstance(dst, np.ndarray):
+        src = np.from_dlpack(src)
+    dst[...] = src
+
+
+def scale_into(dst: Any, src: Any, factor: float) -> None:
+    """``dst = src * factor`` in one pass (same shape); ``factor == 1`` is a plain copy."""
+    if factor == 1:
+        copy_into(dst, src)
+    elif _is_torch(dst):
+        import torch  # already imported: dst is a torch tensor
+
+        torch.mul(src, factor, out=dst)
+    elif hasattr(src, "__array_namespace__") or not isinstance(dst, np.ndarray):
+        dst.__array_namespace__().multiply(src, factor, out=dst)
+    else:
+        np.multiply(np.from_dlpack(src), factor, out=dst)
+
+
+def scale(dst: Any, factor: float) -> None:
+    """``dst *= factor`` in place (nothing when ``factor == 1``)."""
+    if factor != 1:
+        dst *= factor
+
+
+def zero(dst: Any) -> None:
+    """Fill ``dst`` with zeros in place."""
+    if _is_torch(dst):
+        dst.zero_()
+    else:
+        dst[...] = 0
