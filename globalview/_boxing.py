@@ -1,0 +1,303 @@
+"""Executing a boxing plan on this rank: one function per step kind.
+
+Each takes this rank's local part and returns the new one. Uneven pieces are
+padded to the largest, moved with one collective, and trimmed. ``xp`` is numpy
+or cupy; buffers handed to commlib are always contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+import commlib
+from globalview import _groups
+from globalview._layout import block, block_shape, split_range, split_sizes, without
+from globalview._plan import Plan, Step
+
+__all__ = ["execute", "identity", "empty_local"]
+
+_OPS = {"sum": commlib.ReduceOp.SUM, "max": commlib.ReduceOp.MAX, "min": commlib.ReduceOp.MIN}
+
+
+def identity(reduce: str, dtype: np.dtype) -> Any:
+    """The value that does not change a ``reduce`` over ``dtype`` (0, or the lowest / highest value)."""
+    dtype = np.dtype(dtype)
+    if reduce == "sum" or dtype == np.bool_:
+        return (reduce == "min") if dtype == np.bool_ else 0
+    if dtype.kind == "f":
+        return -np.inf if reduce == "max" else np.inf
+    info = np.iinfo(dtype) if dtype.kind in "iu" else None
+    if info is None:
+        raise ValueError(f"globalview: partial_{reduce} is not defined for {dtype}")
+    return info.min if reduce == "max" else info.max
+
+
+def empty_local(xp: Any, dtype: np.dtype) -> Any:
+    """The local part of a rank outside a tensor's placement."""
+    return xp.empty((0,), dtype)
+
+
+def _nbytes(a: Any) -> int:
+    return int(a.size) * a.dtype.itemsize
+
+
+class _Ctx:
+    """What every step needs: the logical shape, this rank, its array module."""
+
+    def __init__(self, plan: Plan, me: int, xp: Any) -> None:
+        self.shape, self.dtype, self.me, self.xp = plan.shape, plan.dtype, me, xp
+
+
+def _line(ctx: _Ctx, step: Step) -> tuple[Any, tuple[int, ...], int, int, tuple[int, ...]]:
+    """(group, the block the line shares, line size, my coordinate on it, line ranks)."""
+    pl, k = step.placement, step.axis
+    group = _groups.line_group(pl, k, ctx.me)
+    coords = pl.coords(ctx.me)
+    t = block_shape(ctx.shape, pl.hierarchy, without(step.src, k), coords)
+    return group, t, pl.hierarchy[k], coords[k], pl.line(coords, k)
+
+
+def _pad_pieces(xp, x, d: int, sizes: list[int], c: int | None, dtype) -> Any:
+    """``x`` (moved so ``d`` is first) padded into ``p`` equal pieces of the largest size.
+
+    With ``c`` set, ``x`` is one piece (rank ``c``'s); without, ``x`` holds all pieces in order."""
+    m, p = max(sizes), len(sizes)
+    xm = xp.moveaxis(x, d, 0)
+    if c is not None:
+        if sizes[c] == m and xm.flags.c_contiguous:
+            return xm
+        buf = xp.zeros((m, *xm.shape[1:]), dtype)
+        buf[: sizes[c]] = xm
+        return buf
+    if all(s == m for s in sizes) and xm.flags.c_contiguous:
+        return xm
+    buf = xp.zeros((p * m, *xm.shape[1:]), dtype)
+    off = 0
+    for r, s in enumerate(sizes):
+        buf[r * m : r * m + s] = xm[off : off + s]
+        off += s
+    return buf
+
+
+def _unpad(xp, out, d: int, sizes: list[int]) -> Any:
+    """Undo :func:`_pad_pieces` on a gathered ``(p * m, ...)`` buffer: trim, concatenate, move ``d`` back."""
+    m = max(sizes) if sizes else 0
+    if not all(s == m for s in sizes):
+        out = xp.concatenate([out[r * m : r * m + s] for r, s in enumerate(sizes)], axis=0)
+    return xp.ascontiguousarray(xp.moveaxis(out, 0, d))
+
+
+def _all_gather(ctx: _Ctx, x, step: Step):
+    group, t, p, c, ranks = _line(ctx, step)
+    d, xp = step.src[step.axis].dim, ctx.xp
+    sizes = split_sizes(t[d], p)
+    send = _pad_pieces(xp, x, d, sizes, c, ctx.dtype)
+    out = xp.empty((p * send.shape[0], *send.shape[1:]), ctx.dtype)
+    _groups.collective(
+        "all_gather", commlib.all_gather_into_tensor, out, send, group=group, ranks=ranks, nbytes=_nbytes(out)
+    )
+    return _unpad(xp, out, d, sizes)
+
+
+def _reduced_then(ctx: _Ctx, buf, step: Step, c: int):
+    """After an all_reduce: the B -> dst local step when dst is another partial kind."""
+    return _zero(ctx, buf, step.dst[step.axis], c)
+
+
+def _all_reduce(ctx: _Ctx, x, step: Step):
+    group, _, _, c, ranks = _line(ctx, step)
+    buf = ctx.xp.array(x, copy=True, order="C")
+    _groups.collective(
+        "all_reduce", commlib.all_reduce, buf, _OPS[step.op], group=group, ranks=ranks, nbytes=_nbytes(buf)
+    )
+    return _reduced_then(ctx, buf, step, c)
+
+
+def _reduce_scatter(ctx: _Ctx, x, step: Step):
+    group, t, p, c, ranks = _line(ctx, step)
+    d, xp = step.dst[step.axis].dim, ctx.xp
+    sizes = split_sizes(t[d], p)
+    send = _pad_pieces(xp, x, d, sizes, None, ctx.dtype)
+    out = xp.empty((send.shape[0] // p, *send.shape[1:]), ctx.dtype)
+    _groups.collective(
+        "reduce_scatter",
+        commlib.reduce_scatter_tensor,
+        out,
+        send,
+        _OPS[step.op],
+        group=group,
+        ranks=ranks,
+        nbytes=_nbytes(send),
+    )
+    return xp.ascontiguousarray(xp.moveaxis(out[: sizes[c]], 0, d))
+
+
+def _all_to_all(ctx: _Ctx, x, step: Step):
+    group, t, p, c, ranks = _line(ctx, step)
+    d, e, xp = step.src[step.axis].dim, step.dst[step.axis].dim, ctx.xp
+    sd, se = split_sizes(t[d], p), split_sizes(t[e], p)
+    md, me = max(sd), max(se)
+    xm = xp.moveaxis(x, (d, e), (0, 1))  # (sd[c], t[e], rest...)
+    send = xp.zeros((p, md, me, *xm.shape[2:]), ctx.dtype)
+    off = 0
+    for r in range(p):
+        send[r, : sd[c], : se[r]] = xm[:, off : off + se[r]]
+        off += se[r]
+    recv = xp.empty_like(send)
+    _groups.collective(
+        "all_to_all", commlib.all_to_all_single, recv, send, group=group, ranks=ranks, nbytes=_nbytes(send)
+    )
+    out = xp.concatenate([recv[r, : sd[r], : se[c]] for r in range(p)], axis=0)
+    return xp.ascontiguousarray(xp.moveaxis(out, (0, 1), (d, e)))
+
+
+def _slice(ctx: _Ctx, x, step: Step):
+    pl, k = step.placement, step.axis
+    coords = pl.coords(ctx.me)
+    t = block_shape(ctx.shape, pl.hierarchy, without(step.src, k), coords)
+    d = step.dst[k].dim
+    lo, hi = split_range(t[d], pl.hierarchy[k], coords[k])
+    index = [slice(None)] * x.ndim
+    index[d] = slice(lo, hi)
+    return ctx.xp.ascontiguousarray(x[tuple(index)])
+
+
+def _zero(ctx: _Ctx, x, target, c: int):
+    """B -> P: for a sum one rank of the line keeps the value, the others hold 0; max/min keep it everywhere."""
+    if not target.is_partial or target.reduce != "sum" or c == 0:
+        return x
+    return ctx.xp.zeros_like(x)
+
+
+def _zero_step(ctx: _Ctx, x, step: Step):
+    return _zero(ctx, x, step.dst[step.axis], step.placement.coords(ctx.me)[step.axis])
+
+
+def _fill(ctx: _Ctx, x, step: Step):
+    """S(i) -> P: this rank's piece in place, the reduction's identity elsewhere."""
+    pl, k = step.placement, step.axis
+    coords = pl.coords(ctx.me)
+    t = block_shape(ctx.shape, pl.hierarchy, without(step.src, k), coords)
+    d = step.src[k].dim
+    lo, hi = split_range(t[d], pl.hierarchy[k], coords[k])
+    out = ctx.xp.full(t, identity(step.dst[k].reduce, ctx.dtype), ctx.dtype)
+    index = [slice(None)] * len(t)
+    index[d] = slice(lo, hi)
+    out[tuple(index)] = x
+    return out
+
+
+def _gather(ctx: _Ctx, x, step: Step):
+    """1-D S(i) to the root alone (a placement change to ranks that share none with the source)."""
+    pl, xp = step.placement, ctx.xp
+    group = _groups.line_group(pl, 0, ctx.me)
+    c, p, ranks = pl.coords(ctx.me)[0], pl.hierarchy[0], pl.flat
+    d = step.src[0].dim
+    sizes = split_sizes(ctx.shape[d], p)
+    send = _pad_pieces(xp, x, d, sizes, c, ctx.dtype)
+    out = xp.empty((p * send.shape[0], *send.shape[1:]), ctx.dtype) if ctx.me == step.root else None
+    parts = [out[r * send.shape[0] : (r + 1) * send.shape[0]] for r in range(p)] if out is not None else None
+    _groups.collective(
+        "gather", commlib.gather, send, parts, dst=step.root, group=group, ranks=ranks, nbytes=_nbytes(send) * p
+    )
+    return _unpad(xp, out, d, sizes) if out is not None else empty_local(xp, ctx.dtype)
+
+
+def _reduce(ctx: _Ctx, x, step: Step):
+    group = _groups.line_group(step.placement, 0, ctx.me)
+    buf = ctx.xp.array(x, copy=True, order="C")
+    _groups.collective(
+        "reduce",
+        commlib.reduce,
+        buf,
+        dst=step.root,
+        op=_OPS[step.op],
+        group=group,
+        ranks=step.placement.flat,
+        nbytes=_nbytes(buf),
+    )
+    return buf if ctx.me == step.root else empty_local(ctx.xp, ctx.dtype)
+
+
+def _broadcast(ctx: _Ctx, x, step: Step):
+    group = _groups.subgroup(step.ranks)
+    if ctx.me not in step.ranks:
+        return x
+    buf = ctx.xp.ascontiguousarray(x) if ctx.me == step.root else ctx.xp.empty(ctx.shape, ctx.dtype)
+    _groups.collective(
+        "broadcast", commlib.broadcast, buf, src=step.root, group=group, ranks=step.ranks, nbytes=_nbytes(buf)
+    )
+    return buf
+
+
+def _send_recv(ctx: _Ctx, x, step: Step):
+    """Same mesh and sbp on other ranks: the rank at each mesh position sends its part to its counterpart."""
+    src, dst, xp = step.placement, step.to, ctx.xp
+    ops, out = [], None
+    for i, (s, d) in enumerate(zip(src.flat, dst.flat, strict=True)):
+        if ctx.me not in (s, d):
+            continue
+        if s == d:
+            out = x
+            continue
+        if ctx.me == s:
+            ops.append(commlib.P2POp(commlib.isend, xp.ascontiguousarray(x), d))
+        if ctx.me == d:
+            coords = tuple(int(c) for c in np.unravel_index(i, dst.hierarchy))
+            out = xp.empty(block_shape(ctx.shape, dst.hierarchy, step.dst, coords), ctx.dtype)
+            ops.append(commlib.P2POp(commlib.irecv, out, s))
+    if ops:
+        nbytes = sum(_nbytes(op.tensor) for op in ops)
+        _groups.collective("send_recv", _batch, ops, ranks=tuple(sorted({*src.flat, *dst.flat})), nbytes=nbytes)
+    return out if out is not None else empty_local(xp, ctx.dtype)
+
+
+def _batch(ops: list) -> None:
+    for work in commlib.batch_isend_irecv(ops):
+        work.wait()
+
+
+_STEPS = {
+    "all_gather": _all_gather,
+    "all_reduce": _all_reduce,
+    "reduce_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all,
+    "slice": _slice,
+    "zero": _zero_step,
+    "fill": _fill,
+    "gather": _gather,
+    "reduce": _reduce,
+    "broadcast": _broadcast,
+    "send_recv": _send_recv,
+    "relabel": lambda ctx, x, step: x,
+}
+
+
+def execute(plan: Plan, local: Any, me: int, xp: Any) -> Any:
+    """Run ``plan`` on this rank's ``local`` part; returns the new local part.
+
+    Every rank walks the same plan, so every rank asks for the same groups in the
+    same order (``commlib.new_group`` is collective over the world)."""
+    ctx = _Ctx(plan, me, xp)
+    for step in plan.steps:
+        if step.kind not in ("broadcast", "send_recv"):
+            if step.is_collective:
+                _groups.line_group(step.placement, step.axis, me)
+            if me not in step.placement:
+                continue
+        local = _STEPS[step.kind](ctx, local, step)
+    return local if me in plan.dst[0] else empty_local(xp, plan.dtype)
+
+
+def local_block(shape, pl, sbp, me) -> list[tuple[int, int]] | None:
+    """Index ranges of ``me``'s part, or None outside the placement."""
+    coords = pl.coords(me)
+    return None if coords is None else block(shape, pl.hierarchy, sbp, coords)
+
+
+def local_size(shape, pl, sbp, me) -> int:
+    ranges = local_block(shape, pl, sbp, me)
+    return 0 if ranges is None else math.prod(hi - lo for lo, hi in ranges)

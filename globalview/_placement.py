@@ -1,0 +1,113 @@
+"""``placement(type, ranks)``: which processes hold a global tensor, arranged as a mesh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["placement"]
+
+TYPES = ("cpu", "cuda")
+
+
+class placement:
+    """The devices a global tensor lives on: ``type`` ("cpu": numpy arrays; "cuda": the
+    nccl backend's device arrays) and ``ranks``, a list or a nested list (an nd mesh).
+
+    ``placement("cuda", [[0, 1], [2, 3]])`` is a 2 x 2 mesh: a tensor on it takes a
+    tuple of two sbp values, one per mesh axis.
+    """
+
+    __slots__ = ("_key", "_mesh", "_type")
+
+    def __init__(self, type: str, ranks: Any) -> None:
+        if type not in TYPES:
+            raise ValueError(f"globalview.placement: type must be one of {TYPES}, got {type!r}")
+        mesh = _mesh(ranks)
+        object.__setattr__(self, "_type", type)
+        object.__setattr__(self, "_mesh", mesh)
+        object.__setattr__(self, "_key", (type, mesh.shape, tuple(mesh.ravel().tolist())))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("placements are immutable")
+
+    @property
+    def type(self) -> str:
+        return self._type
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """The mesh of ranks (a copy: placements are immutable)."""
+        return self._mesh.copy()
+
+    @property
+    def hierarchy(self) -> tuple[int, ...]:
+        """The mesh's shape, e.g. ``(4,)`` or ``(2, 2)``."""
+        return self._mesh.shape
+
+    @property
+    def ndim(self) -> int:
+        return self._mesh.ndim
+
+    @property
+    def flat(self) -> tuple[int, ...]:
+        """Every rank of the mesh in row-major order."""
+        return self._key[2]
+
+    def coords(self, rank: int) -> tuple[int, ...] | None:
+        """``rank``'s position in the mesh, or ``None`` when it is not part of it."""
+        try:
+            i = self.flat.index(rank)
+        except ValueError:
+            return None
+        return tuple(int(c) for c in np.unravel_index(i, self._mesh.shape))
+
+    def line(self, coords: tuple[int, ...], axis: int) -> tuple[int, ...]:
+        """The ranks that share every coordinate of ``coords`` but the one on ``axis``."""
+        index = list(coords)
+        index[axis] = slice(None)
+        return tuple(int(r) for r in self._mesh[tuple(index)])
+
+    def lines(self, axis: int) -> list[tuple[int, ...]]:
+        """All the mesh's lines along ``axis``, in row-major order of the other coordinates."""
+        moved = np.moveaxis(self._mesh, axis, -1).reshape(-1, self._mesh.shape[axis])
+        return [tuple(int(r) for r in row) for row in moved]
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self.flat
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, placement):
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"globalview.placement(type={self._type!r}, ranks={self._mesh.tolist()})"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> tuple:
+        return (placement, (self._type, self._mesh.tolist()))
+
+
+def _mesh(ranks: Any) -> np.ndarray:
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        ranks = [ranks]
+    try:
+        mesh = np.array(ranks)
+    except ValueError:
+        mesh = None
+    if mesh is None or mesh.dtype == object or mesh.size == 0 or mesh.dtype.kind not in "iu":
+        raise ValueError(
+            f"globalview.placement: ranks must be a non-empty list (or nested list of equal-length lists) "
+            f"of ints, got {ranks!r}"
+        )
+    if mesh.ndim == 0:
+        mesh = mesh.reshape(1)
+    if (mesh < 0).any() or len(set(mesh.ravel().tolist())) != mesh.size:
+        raise ValueError(f"globalview.placement: ranks must be distinct non-negative ints, got {mesh.tolist()}")
+    return mesh.astype(np.int64)

@@ -1,0 +1,239 @@
+"""GlobalTensor: one logical array, held by every rank as (placement, sbp, local part)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+import commlib
+from globalview import _groups
+from globalview._boxing import empty_local, execute
+from globalview._layout import block_shape, normalize_sbp
+from globalview._nccl_xp import array_module, to_host
+from globalview._placement import placement as Placement
+from globalview._plan import Plan, plan
+from globalview.sbp import SbpParallel, broadcast
+
+__all__ = ["GlobalTensor", "to_global"]
+
+
+class GlobalTensor:
+    """A tensor that exists on every rank: its logical ``shape`` and ``dtype``, its ``placement``
+    (which ranks hold data) and ``sbp`` (how: split, broadcast or partial), and this rank's
+    local part (empty on ranks outside the placement).
+
+    Treat local parts as read-only: operators and conversions make new arrays.
+    """
+
+    __slots__ = ("_dtype", "_local", "_placement", "_sbp", "_shape", "_xp")
+    __array_priority__ = 100  # numpy scalars defer to our operators
+    __hash__ = None  # == is elementwise
+
+    def __init__(self, local: Any, shape: tuple[int, ...], dtype: Any, pl: Placement, sbp: tuple, xp: Any) -> None:
+        self._local, self._shape, self._dtype = local, tuple(shape), np.dtype(dtype)
+        self._placement, self._sbp, self._xp = pl, tuple(sbp), xp
+
+    # -- what it is --------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape."""
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._shape)
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @property
+    def sbp(self) -> tuple[SbpParallel, ...]:
+        """One sbp value per placement axis (a tuple, as OneFlow's ``Tensor.sbp``)."""
+        return self._sbp
+
+    is_global = True
+    is_local = False
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d global tensor")
+        return self._shape[0]
+
+    def __repr__(self) -> str:
+        sbp = ", ".join(map(str, self._sbp))
+        return (
+            f"GlobalTensor(shape={self._shape}, dtype={self._dtype}, placement={self._placement}, sbp=({sbp}), "
+            f"local shape={tuple(self._local.shape)})"
+        )
+
+    # -- local and logical values -------------------------------------------------------------
+    def to_local(self) -> Any:
+        """This rank's part (numpy, or cupy for "cuda" placements on GPUs); empty outside the placement."""
+        return self._local
+
+    def numpy(self) -> np.ndarray:
+        """The whole logical array, on every rank (collective: every rank must call it)."""
+        me = commlib.get_rank()
+        full = self if all(s.is_broadcast for s in self._sbp) else self.to_global(sbp=(broadcast,) * len(self._sbp))
+        ranks = tuple(range(commlib.get_world_size()))
+        if set(self._placement.flat) == set(ranks):
+            return to_host(full._local)
+        root = self._placement.flat[0]
+        buf = full._local if me == root else self._xp.empty(self._shape, self._dtype)
+        buf = self._xp.ascontiguousarray(buf)
+        _groups.collective("broadcast", commlib.broadcast, buf, src=root, group=None, ranks=ranks, nbytes=buf.nbytes)
+        return to_host(buf)
+
+    def item(self) -> Any:
+        if self.size != 1:
+            raise ValueError(f"GlobalTensor.item: only a tensor of one element has an item, shape is {self._shape}")
+        return self.numpy().reshape(()).item()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    # -- redistribution -----------------------------------------------------------------------
+    def to_global(self, placement: Placement | None = None, sbp: Any = None) -> GlobalTensor:
+        """The same logical tensor on ``placement`` with ``sbp`` (either may be left out: unchanged).
+
+        Collective: every rank calls it. The communication is the cheapest plan
+        (see :func:`globalview.explain`)."""
+        call = "GlobalTensor.to_global"
+        pl = self._placement if placement is None else _check_placement(placement, call)
+        if sbp is None:
+            if pl.ndim != len(self._sbp):
+                raise ValueError(f"{call}: the new placement has {pl.ndim} axes; say which sbp to use")
+            sbp = self._sbp
+        sbp = normalize_sbp(sbp, pl.ndim, self.ndim, call)
+        if pl == self._placement and sbp == self._sbp:
+            return self
+        xp = array_module(pl.type, call) if pl.type != self._placement.type else self._xp
+        p = self.plan_to(pl, sbp)
+        local = execute(p, self._local, commlib.get_rank(), self._xp)
+        if xp is not self._xp:
+            local = xp.asarray(to_host(local))
+        return GlobalTensor(local, self._shape, self._dtype, pl, sbp, xp)
+
+    def plan_to(self, placement: Placement, sbp: tuple[SbpParallel, ...]) -> Plan:
+        """The boxing plan from this tensor's layout to (placement, sbp), without running it."""
+        return plan(self._shape, self._dtype, (self._placement, self._sbp), (placement, sbp))
+
+
+def _check_placement(pl: Any, call: str) -> Placement:
+    if not isinstance(pl, Placement):
+        raise TypeError(f"{call}: placement must be a globalview.placement, got {pl!r}")
+    return pl
+
+
+_MAXDIM = 16
+
+
+def _exchange_meta(a: Any, member: bool, xp: Any, call: str) -> np.ndarray:
+    """Every rank's (member, dtype, ndim, shape): one small all_gather over the world."""
+    n = commlib.get_world_size()
+    row = np.zeros(3 + _MAXDIM, np.int64)
+    if member:
+        if a.ndim > _MAXDIM:
+            raise ValueError(f"{call}: at most {_MAXDIM} dimensions, got {a.ndim}")
+        row[0], row[1], row[2] = 1, _dtype_code(a.dtype, call), a.ndim
+        row[3 : 3 + a.ndim] = a.shape
+    out = xp.zeros((n, row.size), np.int64)
+    _groups.collective(
+        "all_gather",
+        commlib.all_gather_into_tensor,
+        out,
+        xp.asarray(row),
+        group=None,
+        ranks=tuple(range(n)),
+        nbytes=out.nbytes,
+    )
+    return to_host(out)
+
+
+_CODES = [np.dtype(c) for c in ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16")]
+
+
+def _dtype_code(dtype: np.dtype, call: str) -> int:
+    try:
+        return _CODES.index(np.dtype(dtype))
+    except ValueError:
+        raise TypeError(f"{call}: dtype {dtype} is not supported (one of {', '.join(map(str, _CODES))})") from None
+
+
+def _logical_shape(meta: np.ndarray, pl: Placement, sbp: tuple, call: str) -> tuple[tuple[int, ...], np.dtype]:
+    rows = {r: meta[r] for r in pl.flat}
+    kinds = {(int(m[1]), int(m[2])) for m in rows.values()}
+    if len(kinds) != 1:
+        listing = "; ".join(f"rank {r}: {_CODES[int(m[1])]} with {int(m[2])} dims" for r, m in rows.items())
+        raise ValueError(f"{call}: every rank of the placement must pass the same dtype and number of dims: {listing}")
+    code, ndim = kinds.pop()
+    sbp = normalize_sbp(sbp, pl.ndim, ndim, call)
+    shape = []
+    for d in range(ndim):
+        axes = [a for a, s in enumerate(sbp) if s.is_split and s.dim == d]
+        owners = [r for r in pl.flat if all(pl.coords(r)[a] == 0 for a in range(pl.ndim) if a not in axes)]
+        shape.append(sum(int(rows[r][3 + d]) for r in owners) if axes else int(rows[pl.flat[0]][3 + d]))
+    shape = tuple(shape)
+    bad = []
+    for r in pl.flat:
+        want = block_shape(shape, pl.hierarchy, sbp, pl.coords(r))
+        got = tuple(int(x) for x in rows[r][3 : 3 + ndim])
+        if want != got:
+            bad.append(f"rank {r} has {got}, expected {want}")
+    if bad:
+        raise ValueError(
+            f"{call}: the local parts do not form a {shape} tensor with sbp {', '.join(map(str, sbp))} "
+            f"(uneven splits put one more element on the first ranks): " + "; ".join(bad)
+        )
+    return shape, _CODES[code]
+
+
+def to_global(local: Any, placement: Placement, sbp: Any, *, xp: Any = None) -> GlobalTensor:
+    """A global tensor from each rank's local part (collective: every rank calls it).
+
+    ``split(d)``: the parts are concatenated along ``d``; ``broadcast``: the value of
+    the placement's first rank (along each broadcast axis) is taken; ``partial_*``:
+    the logical value is the sum (max, min) of the parts. Ranks outside the
+    placement pass anything (it is ignored) and get an empty local part.
+    """
+    call = "globalview.to_global"
+    pl = _check_placement(placement, call)
+    xp = array_module(pl.type, call) if xp is None else xp
+    me = commlib.get_rank()
+    member = me in pl
+    a = None
+    if member:
+        a = xp.ascontiguousarray(xp.asarray(local))
+        normalize_sbp(sbp, pl.ndim, a.ndim, call)
+    world = commlib.get_world_size()
+    if max(pl.flat) >= world:
+        raise ValueError(f"{call}: placement ranks {list(pl.flat)} do not all exist in a world of {world} ranks")
+    meta = _exchange_meta(a, member, xp, call)
+    shape, dtype = _logical_shape(meta, pl, sbp, call)
+    sbp = normalize_sbp(sbp, pl.ndim, len(shape), call)
+    copied = False
+    for axis, s in enumerate(sbp):
+        if not s.is_broadcast or pl.hierarchy[axis] == 1:
+            continue
+        # "broadcast" from local parts: coordinate 0's value on the axis (OneFlow takes rank 0's).
+        mine = _groups.line_group(pl, axis, me)  # every rank makes the groups
+        if member:
+            if not copied:
+                a, copied = a.copy(), True  # never write into the caller's array
+            line = pl.line(pl.coords(me), axis)
+            _groups.collective("broadcast", commlib.broadcast, a, src=line[0], group=mine, ranks=line, nbytes=a.nbytes)
+    if not member:
+        return GlobalTensor(empty_local(xp, dtype), shape, dtype, pl, sbp, xp)
+    return GlobalTensor(a, shape, dtype, pl, sbp, xp)
