@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 import commlib
-from globalview import _groups
+from globalview import _groups, _memory
 from globalview._layout import block, block_shape, split_range, split_sizes, without
 from globalview._plan import Plan, Step
 
@@ -38,6 +38,13 @@ def identity(reduce: str, dtype: np.dtype) -> Any:
 def empty_local(xp: Any, dtype: np.dtype) -> Any:
     """The local part of a rank outside a tensor's placement."""
     return xp.empty((0,), dtype)
+
+
+def _copy(xp: Any, x: Any) -> Any:
+    """A contiguous copy of ``x`` (from the buffer pool): collectives reduce in place."""
+    out = _memory.empty(xp, x.shape, x.dtype)
+    out[...] = x
+    return out
 
 
 def _nbytes(a: Any) -> int:
@@ -69,12 +76,12 @@ def _pad_pieces(xp, x, d: int, sizes: list[int], c: int | None, dtype) -> Any:
     if c is not None:
         if sizes[c] == m and xm.flags.c_contiguous:
             return xm
-        buf = xp.zeros((m, *xm.shape[1:]), dtype)
+        buf = _memory.empty(xp, (m, *xm.shape[1:]), dtype)
         buf[: sizes[c]] = xm
         return buf
     if all(s == m for s in sizes) and xm.flags.c_contiguous:
         return xm
-    buf = xp.zeros((p * m, *xm.shape[1:]), dtype)
+    buf = _memory.empty(xp, (p * m, *xm.shape[1:]), dtype)  # padding rows are never read
     off = 0
     for r, s in enumerate(sizes):
         buf[r * m : r * m + s] = xm[off : off + s]
@@ -95,7 +102,7 @@ def _all_gather(ctx: _Ctx, x, step: Step):
     d, xp = step.src[step.axis].dim, ctx.xp
     sizes = split_sizes(t[d], p)
     send = _pad_pieces(xp, x, d, sizes, c, ctx.dtype)
-    out = xp.empty((p * send.shape[0], *send.shape[1:]), ctx.dtype)
+    out = _memory.empty(xp, (p * send.shape[0], *send.shape[1:]), ctx.dtype)
     _groups.collective(
         "all_gather", commlib.all_gather_into_tensor, out, send, group=group, ranks=ranks, nbytes=_nbytes(out)
     )
@@ -109,7 +116,7 @@ def _reduced_then(ctx: _Ctx, buf, step: Step, c: int):
 
 def _all_reduce(ctx: _Ctx, x, step: Step):
     group, _, _, c, ranks = _line(ctx, step)
-    buf = ctx.xp.array(x, copy=True, order="C")
+    buf = _copy(ctx.xp, x)
     _groups.collective(
         "all_reduce", commlib.all_reduce, buf, _OPS[step.op], group=group, ranks=ranks, nbytes=_nbytes(buf)
     )
@@ -121,7 +128,7 @@ def _reduce_scatter(ctx: _Ctx, x, step: Step):
     d, xp = step.dst[step.axis].dim, ctx.xp
     sizes = split_sizes(t[d], p)
     send = _pad_pieces(xp, x, d, sizes, None, ctx.dtype)
-    out = xp.empty((send.shape[0] // p, *send.shape[1:]), ctx.dtype)
+    out = _memory.empty(xp, (send.shape[0] // p, *send.shape[1:]), ctx.dtype)
     _groups.collective(
         "reduce_scatter",
         commlib.reduce_scatter_tensor,
@@ -141,16 +148,19 @@ def _all_to_all(ctx: _Ctx, x, step: Step):
     sd, se = split_sizes(t[d], p), split_sizes(t[e], p)
     md, me = max(sd), max(se)
     xm = xp.moveaxis(x, (d, e), (0, 1))  # (sd[c], t[e], rest...)
-    send = xp.zeros((p, md, me, *xm.shape[2:]), ctx.dtype)
+    send = _memory.empty(xp, (p, md, me, *xm.shape[2:]), ctx.dtype)  # padding is never read
     off = 0
     for r in range(p):
         send[r, : sd[c], : se[r]] = xm[:, off : off + se[r]]
         off += se[r]
-    recv = xp.empty_like(send)
+    recv = _memory.empty(xp, send.shape, ctx.dtype)
     _groups.collective(
         "all_to_all", commlib.all_to_all_single, recv, send, group=group, ranks=ranks, nbytes=_nbytes(send)
     )
-    out = xp.concatenate([recv[r, : sd[r], : se[c]] for r in range(p)], axis=0)
+    if all(k == md for k in sd) and se[c] == me:  # even pieces: the received buffer is the result
+        out = recv.reshape(p * md, me, *recv.shape[3:])
+    else:
+        out = xp.concatenate([recv[r, : sd[r], : se[c]] for r in range(p)], axis=0)
     return xp.ascontiguousarray(xp.moveaxis(out, (0, 1), (d, e)))
 
 
@@ -198,7 +208,7 @@ def _gather(ctx: _Ctx, x, step: Step):
     d = step.src[0].dim
     sizes = split_sizes(ctx.shape[d], p)
     send = _pad_pieces(xp, x, d, sizes, c, ctx.dtype)
-    out = xp.empty((p * send.shape[0], *send.shape[1:]), ctx.dtype) if ctx.me == step.root else None
+    out = _memory.empty(xp, (p * send.shape[0], *send.shape[1:]), ctx.dtype) if ctx.me == step.root else None
     parts = [out[r * send.shape[0] : (r + 1) * send.shape[0]] for r in range(p)] if out is not None else None
     _groups.collective(
         "gather", commlib.gather, send, parts, dst=step.root, group=group, ranks=ranks, nbytes=_nbytes(send) * p
@@ -208,7 +218,7 @@ def _gather(ctx: _Ctx, x, step: Step):
 
 def _reduce(ctx: _Ctx, x, step: Step):
     group = _groups.line_group(step.placement, 0, ctx.me)
-    buf = ctx.xp.array(x, copy=True, order="C")
+    buf = _copy(ctx.xp, x)
     _groups.collective(
         "reduce",
         commlib.reduce,
@@ -226,7 +236,7 @@ def _broadcast(ctx: _Ctx, x, step: Step):
     group = _groups.subgroup(step.ranks)
     if ctx.me not in step.ranks:
         return x
-    buf = ctx.xp.ascontiguousarray(x) if ctx.me == step.root else ctx.xp.empty(ctx.shape, ctx.dtype)
+    buf = ctx.xp.ascontiguousarray(x) if ctx.me == step.root else _memory.empty(ctx.xp, ctx.shape, ctx.dtype)
     _groups.collective(
         "broadcast", commlib.broadcast, buf, src=step.root, group=group, ranks=step.ranks, nbytes=_nbytes(buf)
     )
@@ -247,7 +257,7 @@ def _send_recv(ctx: _Ctx, x, step: Step):
             ops.append(commlib.P2POp(commlib.isend, xp.ascontiguousarray(x), d))
         if ctx.me == d:
             coords = tuple(int(c) for c in np.unravel_index(i, dst.hierarchy))
-            out = xp.empty(block_shape(ctx.shape, dst.hierarchy, step.dst, coords), ctx.dtype)
+            out = _memory.empty(xp, block_shape(ctx.shape, dst.hierarchy, step.dst, coords), ctx.dtype)
             ops.append(commlib.P2POp(commlib.irecv, out, s))
     if ops:
         nbytes = sum(_nbytes(op.tensor) for op in ops)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import commlib
-from globalview import _groups
+from globalview import _groups, _memory
 from globalview._boxing import empty_local, execute
 from globalview._layout import block_shape, normalize_sbp
 from globalview._nccl_xp import array_module, to_host
@@ -90,7 +90,7 @@ class GlobalTensor:
         if set(self._placement.flat) == set(ranks):
             return to_host(full._local)
         root = self._placement.flat[0]
-        buf = full._local if me == root else self._xp.empty(self._shape, self._dtype)
+        buf = full._local if me == root else _memory.empty(self._xp, self._shape, self._dtype)
         buf = self._xp.ascontiguousarray(buf)
         _groups.collective("broadcast", commlib.broadcast, buf, src=root, group=None, ranks=ranks, nbytes=buf.nbytes)
         return to_host(buf)

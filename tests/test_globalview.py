@@ -162,3 +162,30 @@ def test_index_plan_maps_whole_dimensions() -> None:
         _index_plan((4,), np.array([1, 2]))
     with pytest.raises(IndexError, match="too many"):
         _index_plan((4,), (1, 2))
+
+
+def test_buffer_pool_reuses_memory_only_after_every_view_is_gone() -> None:
+    import gc
+
+    from globalview import _memory
+
+    def addr(a):
+        return a.__array_interface__["data"][0]
+
+    a = _memory.empty(np, (512, 1024), np.float32)  # 2 MiB: pooled
+    a[:] = 1
+    where, view = addr(a), a[3:]
+    del a
+    gc.collect()
+    b = _memory.empty(np, (512, 1024), np.float32)
+    assert addr(b) != where  # a view of the first buffer is alive: its memory is not handed out again
+    b[:] = 2
+    assert (view == 1).all()
+    other = addr(b)
+    del view, b
+    gc.collect()
+    c = _memory.empty(np, (1024, 512), np.float32)  # same bytes, other shape: a pooled map comes back
+    assert addr(c) in (where, other) and c.flags.c_contiguous and c.flags.writeable
+    assert _memory.held_bytes() >= 0
+    small = _memory.empty(np, (4,), np.float64)
+    assert small.flags.owndata  # small buffers are plain numpy arrays

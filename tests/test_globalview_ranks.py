@@ -308,3 +308,82 @@ def mesh_job() -> int:
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_placement_changes_and_meshes_on_four_ranks(backend: str) -> None:
     assert run(mesh_job, 4, env=BACKENDS[backend], timeout=240)[0] == 5 * 16 + 16 * 6 + 2
+
+
+def _raises(exc, text, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        assert text in str(e), f"{text!r} not in {e}"
+        return 1
+    raise AssertionError(f"{fn} did not raise {exc.__name__}")
+
+
+def edge_job() -> int:
+    """Odd world size, uneven shapes, boxing inside operators, sub-placements and clear errors."""
+    import commlib
+    import globalview as gv
+
+    S, p, me = gv.sbp, commlib.get_world_size(), commlib.get_rank()
+    dev = _device(commlib)
+    pl = gv.placement(dev, list(range(p)))
+    n = 4 * p + 1
+    at = gv.randn(n, 6, seed=21)
+    a = gv.tensor(at, placement=pl, sbp=S.split(0))
+    checks = 0
+    for out, want in [
+        (a.reshape(n * 6), at.reshape(n * 6)),  # pieces not contiguous in the new shape: boxed first
+        (a.reshape(n, 2, 3), at.reshape(n, 2, 3)),
+        (gv.matmul(a.to_global(sbp=S.split(1)), gv.tensor(at.T, placement=pl, sbp=S.split(0))), at @ at.T),
+        (gv.where(a > 0, a, gv.zeros(n, 1, placement=pl, sbp=S.broadcast)), np.where(at > 0, at, 0)),
+        (a.sum(0).max(), at.sum(0).max()),  # a partial sum into max: reduced first
+        (a.mean(0), at.mean(0)),
+        (a.max(1).min(), at.max(1).min()),
+        (a[1:-1:2, ::2], at[1:-1:2, ::2]),
+        (a[..., None], at[..., None]),
+        (abs(-a), np.abs(at)),
+        (a**2 / (1 + a * a), at**2 / (1 + at * at)),
+    ]:
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+        checks += 1
+    batch = gv.randn(4, 3, 5, placement=pl, sbp=S.split(0), seed=3)
+    other = gv.randn(4, 5, 2, placement=pl, sbp=S.split(0), seed=4)
+    prod = batch @ other
+    assert prod.sbp == (S.split(0),)
+    np.testing.assert_allclose(prod.numpy(), gv.randn(4, 3, 5, seed=3) @ gv.randn(4, 5, 2, seed=4), rtol=1e-5)
+    for make, want in [
+        (lambda: gv.arange(n, placement=pl, sbp=S.split(0)), np.arange(n)),
+        (lambda: gv.ones(3, 2, placement=pl, sbp=S.partial_sum), np.ones((3, 2))),
+        (lambda: gv.full((2, 2), 7, placement=pl, sbp=S.split(1)), np.full((2, 2), 7)),
+        (lambda: gv.zeros(5, dtype=np.int32, placement=pl, sbp=S.partial_max), np.zeros(5, np.int32)),
+    ]:
+        np.testing.assert_array_equal(make().numpy(), want)
+        checks += 1
+    # a sub-placement: ranks outside hold nothing, but numpy() gives everyone the value
+    sub = gv.placement(dev, [p - 1, 0])
+    s = gv.tensor(at, placement=sub, sbp=S.split(1))
+    assert (s.to_local().size == 0) == (me not in (0, p - 1))
+    np.testing.assert_array_equal((s * 2).numpy(), at * 2)
+    checks += 1
+    # clear errors, raised the same way on every rank (no rank is left waiting)
+    other_pl = gv.placement(dev, [0])
+    checks += _raises(
+        ValueError, "must share a placement", lambda: a + gv.zeros(n, 6, placement=other_pl, sbp=S.broadcast)
+    )
+    checks += _raises(TypeError, "global tensors or Python/numpy scalars", lambda: a + at)
+    checks += _raises(ValueError, "splits dimension 2", a.to_global, sbp=S.split(2))
+    checks += _raises(ValueError, "do not broadcast", lambda: a + gv.zeros(5, placement=pl, sbp=S.broadcast))
+    checks += _raises(ValueError, "do not multiply", gv.matmul, a, a)
+    wrong = "cpu" if dev == "cuda" else "cuda"
+    if dev == "cpu":
+        checks += _raises(
+            ValueError, "needs the nccl backend", gv.zeros, 2, placement=gv.placement(wrong, [0]), sbp=S.broadcast
+        )
+    commlib.barrier()  # everyone is still in step after the errors
+    np.testing.assert_array_equal((a + 1).numpy(), at + 1)
+    return checks
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_edge_cases_on_three_ranks(backend: str) -> None:
+    assert run(edge_job, 3, env=BACKENDS[backend], timeout=240)[0] >= 20
