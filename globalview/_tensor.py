@@ -65,6 +65,12 @@ class GlobalTensor:
     is_global = True
     is_local = False
 
+    def __bool__(self) -> bool:
+        raise TypeError(
+            "the truth value of a global tensor is ambiguous (and would need communication): "
+            "use .item() or .numpy() explicitly"
+        )
+
     def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of a 0-d global tensor")
