@@ -106,3 +106,18 @@ def same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     if not np.array_equal(got, want):
         raise AssertionError(f"{what}:\n got  {got!r}\n want {want!r}")
+
+
+def same_search_on_every_rank() -> None:
+    """Make a derandomized hypothesis search draw the same cases on every rank.
+
+    Hypothesis mixes into its draws constants it finds in the local modules loaded so far; ranks
+    load different modules (rank 0 alone serves the store), so their searches drift apart and
+    deadlock. Call this in each rank before the search: it turns that source of constants off.
+    """
+    from hypothesis.internal.conjecture import providers
+
+    if hasattr(providers, "_get_local_constants"):
+        empty = providers.Constants()
+        providers._get_local_constants = lambda: empty
+        providers.CONSTANTS_CACHE.cache.clear()

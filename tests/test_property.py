@@ -1,14 +1,15 @@
 """Hypothesis-driven comparison of collectives against the numpy reference.
 
-Every rank runs the same derandomized hypothesis search (no shrinking, so the
-ranks never diverge), so each drawn case is executed by all ranks together.
+Every rank runs the same derandomized hypothesis search (no shrinking, and no constants
+taken from the modules each rank happens to have loaded, so the ranks never diverge),
+so each drawn case is executed by all ranks together.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference import ALL_DTYPES, BACKENDS, group_layouts, make, ops_for, reduce, same
+from reference import ALL_DTYPES, BACKENDS, LOW, group_layouts, make, ops_for, reduce, same, same_search_on_every_rank
 
 from commlib.testing import run
 
@@ -22,20 +23,24 @@ COLLECTIVES = [
 ]
 
 
-def _case(dist, groups, layouts, me, case) -> None:
+def _case(dist, groups, layouts, me, case) -> bool:
+    """Run one drawn case on this rank; False when the rank has no part in it."""
     name, dtype, op_index, shape, root_index, layout, async_op, salt = case
     ranks = layouts[layout]
     if me not in ranks:
-        return
+        return False
     g, n, i = groups[layout], len(ranks), ranks.index(me)
     ops = ops_for(dtype, dist.get_backend())
     if name in ("all_reduce", "reduce", "reduce_scatter_tensor") and not ops:
-        return  # this backend cannot reduce this dtype (NCCL: 16-bit integers); tested in test_nccl_backend
+        return False  # this backend cannot reduce this dtype (NCCL: 16-bit integers); tested in test_nccl_backend
     op = ops[op_index % len(ops)] if ops else "SUM"
+    if name == "reduce_scatter_tensor" and dist.get_backend() == "mpi" and dtype in LOW:
+        async_op = False  # a known bug frees its float32 scratch early: test_fuzz_api.MPI_SCRATCH_BUG (xfail there)
     root = ranks[root_index % n]
     size = int(np.prod(shape))
     ins = [make(rk, size * n, dtype, salt).reshape(n * shape[0], *shape[1:]) for rk in ranks]
     mine = ins[i].copy()
+    sent = mine  # held until the end: a dropped input is test_fuzz_api.test_async_input_outlives_the_caller's case
     what = f"{case}"
     if name == "all_reduce":
         w = dist.all_reduce(mine, getattr(dist.ReduceOp, op), group=g, async_op=async_op)
@@ -62,18 +67,23 @@ def _case(dist, groups, layouts, me, case) -> None:
     if async_op:
         w.wait()
     same(mine, want, what)
+    if sent is not mine:  # an input that is not also the output must come back unchanged
+        same(sent, ins[i], f"{what} input")
+    return True
 
 
-def property_job(max_examples: int) -> int:
+def property_job(max_examples: int) -> dict[str, int]:
+    """Run the search; return how many cases were drawn and how many this rank took part in."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
     import commlib as dist
 
+    same_search_on_every_rank()
     n, me = dist.get_world_size(), dist.get_rank()
     layouts = group_layouts(n)
     groups = {k: None if k == "world" else dist.new_group(v) for k, v in layouts.items()}
-    count = [0]
+    count = {"drawn": 0, "executed": 0}
     cases = st.tuples(
         st.sampled_from(COLLECTIVES),
         st.sampled_from(ALL_DTYPES),
@@ -96,16 +106,17 @@ def property_job(max_examples: int) -> int:
     )
     @given(cases)
     def check(case) -> None:
-        _case(dist, groups, layouts, me, case)
-        count[0] += 1
+        count["executed"] += _case(dist, groups, layouts, me, case)
+        count["drawn"] += 1
 
     check()
     dist.destroy_process_group()
-    return count[0]
+    return count
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_random_collectives_match_numpy(backend: str, n: int) -> None:
     counts = run(property_job, n, 300, timeout=240, env=BACKENDS[backend])
-    assert counts[0] == 300, counts
+    print(f"\nproperty {backend} n={n}: {counts}")
+    assert all(c["drawn"] == 300 and c["executed"] >= 150 for c in counts), counts

@@ -341,6 +341,7 @@ def test_64_concurrent_clients_add_exactly(master: TCPStore) -> None:
 # -- hostile bytes -------------------------------------------------------------------------------------------------
 
 TOKEN = b"fuzz-token"
+MAX_KEY, MAX_VALUE = 64, 256  # small limits, so frames over them are cheap to send
 _valid = st.sampled_from(
     [
         encode(Op.SET, [b"fuzz/k", b"v"]),
@@ -348,8 +349,10 @@ _valid = st.sampled_from(
         encode(Op.GET, [b"fuzz/absent", pack_int(50)]),
         encode(Op.ADD, [b"fuzz/n", pack_int(1)]),
         encode(Op.ADD, [b"fuzz/k", pack_int(1)]),
+        encode(Op.CAS, [b"fuzz/c", b"", b"x"]),
         encode(Op.WAIT, [pack_int(0), b"fuzz/absent"]),
         encode(Op.CHECK, [b"a", b"b"]),
+        encode(Op.DELETE, [b"fuzz/absent"]),
         encode(Op.NUM_KEYS, []),
         encode(Op.HELLO, [TOKEN]),
     ]
@@ -359,16 +362,28 @@ _header = st.builds(
     st.sampled_from([MAGIC, b"XX"]),
     st.sampled_from([VERSION, 0, 255]),
     st.integers(0, 255),
-    st.one_of(st.integers(0, 64), st.integers(2**31, 2**32 - 1)),
+    st.integers(0, 64),
     st.binary(max_size=64),
 )
-_frames = st.one_of(
-    st.binary(min_size=1, max_size=96),  # random bytes
-    _valid,
-    _header,  # plausible headers: bad codes, bad versions, oversized or short bodies
-    st.tuples(_valid, st.floats(0, 1)).map(lambda vf: vf[0][: max(1, int(len(vf[0]) * vf[1]))]),  # truncated
-    st.builds(lambda op, n: encode(op, [b"k"] * n), st.sampled_from(list(Op)), st.integers(0, 6)),  # wrong arity
+_oversized = st.one_of(
+    st.builds(
+        lambda op, size: HEADER.pack(MAGIC, VERSION, op, size), st.sampled_from(list(Op)), st.integers(2**20, 2**32 - 1)
+    ),
+    st.builds(lambda n: encode(Op.SET, [b"k" * (MAX_KEY + n), b"v"]), st.integers(1, 64)),
+    st.builds(lambda n: encode(Op.SET, [b"k", b"v" * (MAX_VALUE + n)]), st.integers(1, 256)),
+    st.builds(lambda n: encode(Op.CAS, [b"k", b"", b"v" * (MAX_VALUE + n)]), st.integers(1, 256)),
+    st.builds(lambda n: encode(Op.HELLO, [b"t" * (1025 + n)]), st.integers(0, 64)),  # token over MAX_TOKEN
+    st.builds(lambda n: encode(Op.WAIT, [pack_int(0), b"k" * (MAX_KEY + n)]), st.integers(1, 64)),
 )
+FRAMES = {
+    "random": st.binary(min_size=1, max_size=96),
+    "valid": _valid,
+    "bad header": _header,  # bad magic, version or op code; a body shorter or longer than announced
+    "truncated": st.tuples(_valid, st.floats(0, 1)).map(lambda vf: vf[0][: max(1, int(len(vf[0]) * vf[1]))]),
+    "oversized": _oversized,
+    "wrong arity": st.builds(lambda op, n: encode(op, [b"k"] * n), st.sampled_from(list(Op)), st.integers(0, 6)),
+}
+_frames = st.one_of([st.tuples(st.just(kind), frames) for kind, frames in FRAMES.items()])
 
 
 class _Fuzzer:
@@ -377,7 +392,7 @@ class _Fuzzer:
     def __init__(self, port: int) -> None:
         self.port = port
         self.sock: socket.socket | None = None
-        self.sent = 0
+        self.sent: dict[str, int] = dict.fromkeys(FRAMES, 0)  # frames the server received, by kind
 
     def _connect(self, authenticate: bool) -> socket.socket:
         sock = socket.create_connection((HOST, self.port), timeout=5)
@@ -387,18 +402,18 @@ class _Fuzzer:
         sock.setblocking(False)  # a socket with a timeout would wait in recv() even with MSG_DONTWAIT
         return sock
 
-    def send(self, frame: bytes, authenticate: bool) -> None:
+    def send(self, kind: str, frame: bytes, authenticate: bool) -> None:
         if self.sock is None:
             self.sock = self._connect(authenticate)
         try:
             self.sock.sendall(frame)
+            self.sent[kind] += 1
             if self.sock.recv(1 << 16) == b"":
                 self.close()  # the server hung up on us
         except BlockingIOError:
             pass  # nothing to read yet
         except OSError:
             self.close()  # reset by the server
-        self.sent += 1
 
     def close(self) -> None:
         if self.sock is not None:
@@ -406,29 +421,73 @@ class _Fuzzer:
             self.sock = None
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _settles(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether ``check()`` becomes true within ``timeout`` (the server closes connections asynchronously)."""
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 def test_fuzzed_frames_never_hurt_the_server() -> None:
-    """>= 1000 random, truncated and oversized frames; after every batch a normal client still works."""
-    with TCPStore(HOST, 0, is_master=True, timeout=10, token=TOKEN) as master:
-        fuzzer = _Fuzzer(master.port)
-        batches = [0]
-
-        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(frames=st.lists(_frames, min_size=10, max_size=20), authenticate=st.booleans())
-        def batch(frames: list[bytes], authenticate: bool) -> None:
-            for frame in frames:
-                fuzzer.send(frame, authenticate)
-            fuzzer.close()
-            batches[0] += 1
-            key = f"check/{batches[0]}"
-            master.set(key, key)
-            assert master.get(key) == key.encode()
-            assert master._server is not None and master._server.alive
-
-        batch()
-        print(f"fuzz: {fuzzer.sent} frames in {batches[0]} batches")
-        assert fuzzer.sent >= 1000
+    """>= 1000 random, truncated, oversized and otherwise bad frames at a live server, in batches; after each
+    batch a well-behaved client is still served correctly and the server holds no leftover connection."""
+    threads, fds = threading.active_count(), _open_fds()
+    with TCPStore(
+        HOST, 0, is_master=True, timeout=10, token=TOKEN, max_key_size=MAX_KEY, max_value_size=MAX_VALUE
+    ) as master:
+        server = master._server
+        assert server is not None
         with TCPStore(HOST, master.port, timeout=5, token=TOKEN) as client:
+            baseline = len(server._conns)  # the master's and the client's own connections
+            fuzzer, batches = _Fuzzer(master.port), [0]
+
+            @settings(
+                max_examples=250,
+                derandomize=True,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                database=None,
+            )
+            @given(frames=st.lists(_frames, min_size=10, max_size=20), authenticate=st.booleans())
+            def batch(frames: list[tuple[str, bytes]], authenticate: bool) -> None:
+                for kind, frame in frames:
+                    fuzzer.send(kind, frame, authenticate)
+                fuzzer.close()
+                batches[0] += 1
+                key = f"check/{batches[0]}"
+                client.set(key, key)
+                assert master.get(key) == key.encode() and client.add("check/n", 1) == batches[0]
+                assert client.compare_set("check/cas", "", key) == key.encode() and client.delete_key("check/cas")
+                assert server.alive
+                assert _settles(lambda: len(server._conns) == baseline), (len(server._conns), baseline)
+                assert not server._parked, server._parked  # no waiter outlives its connection
+
+            batch()
+            print(f"\nfuzz: {sum(fuzzer.sent.values())} frames in {batches[0]} batches: {fuzzer.sent}")
+            assert sum(fuzzer.sent.values()) >= 1000, fuzzer.sent
+            assert all(count >= 100 for count in fuzzer.sent.values()), fuzzer.sent
+            assert fuzzer.sent["random"] + fuzzer.sent["truncated"] + fuzzer.sent["oversized"] >= 1000, fuzzer.sent
             assert client.get(f"check/{batches[0]}") == f"check/{batches[0]}".encode()
+            assert threading.active_count() == threads + 1  # the server's one thread, and nothing else
+    assert _settles(lambda: threading.active_count() == threads and _open_fds() == fds), (threads, fds)
+
+
+def test_leak_check_sees_a_connection_left_open(master: TCPStore) -> None:
+    """The fuzz test's connection check is not vacuous: a client that stays connected is seen."""
+    server = master._server
+    assert server is not None
+    baseline = len(server._conns)
+    with socket.create_connection((HOST, master.port), timeout=5):
+        assert _settles(lambda: len(server._conns) == baseline + 1)  # accepted
+        assert not _settles(lambda: len(server._conns) == baseline, timeout=0.2)
+    assert _settles(lambda: len(server._conns) == baseline)
 
 
 @pytest.mark.parametrize(
