@@ -38,12 +38,19 @@ from commlib._world import (
     is_initialized,
     new_group,
 )
-from commlib.errors import BackendUnavailableError, CommError, CommTimeoutError, GroupBrokenError
+from commlib.errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CommError,
+    CommTimeoutError,
+    GroupBrokenError,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",
     "GroupBrokenError",

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from commlib._debug import check as check_call
+from commlib._flight import ring
 from commlib._group import ProcessGroup, Work, as_seconds
 from commlib._world import resolve
 from commlib.backends._base import poll
@@ -20,13 +22,16 @@ def barrier(
 ) -> Work | None:
     """Wait until every rank of the group has called barrier (``timeout`` overrides the group's)."""
     g = resolve(group, "barrier")
+    if g.detail:
+        check_call(g, "barrier")
     handle = g.backend.barrier()
     if timeout is None or async_op:
         return g.run(handle, "barrier", async_op)
     seconds = as_seconds(timeout, "barrier")
-    g.seq += 1
-    if not handle.wait(seconds):
-        g.fail_timeout("barrier", g.seq, seconds)
+    if g.pending:
+        g.drain(None, g.timeout)
+    g.seq = seq = g.seq + 1
+    g.finish(handle, "barrier", seq, ring.start(g, "barrier", None, 0, seq), seconds)
     return None
 
 
@@ -41,6 +46,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     call = "monitored_barrier"
     g = resolve(group, call)
     seconds = g.timeout if timeout is None else as_seconds(timeout, call)
+    if g.detail:
+        check_call(g, call)
     g.seq += 1
     b, tag = g.backend, g.backend.max_tag + 1
     if g.size == 1:

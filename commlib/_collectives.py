@@ -7,6 +7,9 @@ from typing import Any
 import numpy as np
 
 from commlib._arrays import DTYPES, address, check_op, same_kind
+from commlib._debug import check as check_call
+from commlib._flight import now as _now
+from commlib._flight import ring as _ring
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
 from commlib._world import _state as _world
@@ -29,6 +32,7 @@ __all__ = [
 
 
 _SUM = ReduceOp.SUM  # Enum class attribute access costs ~50 ns; the hot path reads a global
+_starts, _ends, _slots = _ring.starts, _ring.ends, _ring.slots  # the flight recorder, as globals (cheaper)
 
 
 def _op(op: Any, dtype: np.dtype, g: ProcessGroup, call: str) -> ReduceOp:
@@ -104,10 +108,24 @@ def all_reduce(
     if op is not _SUM or g.check_reduction is not None:
         op = _op(op, a.dtype, g, "all_reduce")
     if async_op or g.pending or g.all_reduce_wait is None:
-        return g.run(g.backend.all_reduce(a, a, op), "all_reduce", async_op)
-    g.seq += 1  # a blocking call with nothing pending: the backend's fused post-and-wait, if it has one
-    if not g.all_reduce_wait(a, op, g.timeout):
-        g.fail_timeout("all_reduce", g.seq, g.timeout)
+        if g.detail:
+            check_call(g, "all_reduce", a, op)
+        return g.run(g.backend.all_reduce(a, a, op), "all_reduce", async_op, a.dtype, a.size)
+    # A blocking call with nothing pending: the backend's fused post-and-wait. The flight
+    # recorder's start and end are written inline (Ring.start/end cost a call each).
+    g.seq = seq = g.seq + 1
+    i = next(_slots)
+    _starts[i] = (g, "all_reduce", a.dtype, a.size, seq, _now())
+    try:
+        done = g.all_reduce_wait(a, op, g.timeout)
+    except Exception as e:
+        _ring.end(i, g, seq, ok=False)
+        g.mark_broken(e)
+        raise
+    if not done:
+        _ring.end(i, g, seq, ok=False)
+        g.fail_timeout("all_reduce", seq, g.timeout)
+    _ends[i] = _now()
     return None
 
 
@@ -122,7 +140,9 @@ def broadcast(
     g = resolve(group, "broadcast")
     a = g.array(tensor, g, "broadcast", "tensor")
     root = root_rank(g, "broadcast", src, group_src, "src")
-    return g.run(g.backend.broadcast(a, root), "broadcast", async_op)
+    if g.detail:
+        check_call(g, "broadcast", a, root=root)
+    return g.run(g.backend.broadcast(a, root), "broadcast", async_op, a.dtype, a.size)
 
 
 def reduce(
@@ -138,7 +158,9 @@ def reduce(
     a = g.array(tensor, g, "reduce", "tensor")
     op = _op(op, a.dtype, g, "reduce")
     root = root_rank(g, "reduce", dst, group_dst, "dst")
-    return g.run(g.backend.reduce(a, a, op, root), "reduce", async_op)
+    if g.detail:
+        check_call(g, "reduce", a, op, root)
+    return g.run(g.backend.reduce(a, a, op, root), "reduce", async_op, a.dtype, a.size)
 
 
 def all_gather_into_tensor(
@@ -151,10 +173,12 @@ def all_gather_into_tensor(
     inp = g.array(input_tensor, g, call, "input_tensor", writable=False)
     same_kind(out, inp, g, call, "output_tensor", "input_tensor")
     _check_count(g, call, "output_tensor", out, g.size, inp.size)
+    if g.detail:
+        check_call(g, call, inp)
     send: np.ndarray | None = inp
     if g.xp.may_share_memory(out, inp):
         send = None if _is_chunk(inp, out, g.rank) else inp.copy()
-    return g.run(g.backend.all_gather(send, out), call, async_op)
+    return g.run(g.backend.all_gather(send, out), call, async_op, inp.dtype, inp.size)
 
 
 def all_gather(
@@ -165,9 +189,11 @@ def all_gather(
     g = resolve(group, call)
     inp = g.array(tensor, g, call, "tensor", writable=False)
     outs = check_list(g, call, "tensor_list", tensor_list, inp, writable=True, count=inp.size)
+    if g.detail:
+        check_call(g, call, inp)
     flat = g.xp.empty(g.size * inp.size, inp.dtype)
     handle = g.backend.all_gather(inp, flat)
-    return g.run(Chained(handle, lambda: _unpack(flat, outs)), call, async_op)
+    return g.run(Chained(handle, lambda: _unpack(flat, outs)), call, async_op, inp.dtype, inp.size)
 
 
 def _unpack(flat: np.ndarray, outs: list[np.ndarray]) -> None:
@@ -187,9 +213,11 @@ def reduce_scatter_tensor(
     same_kind(out, inp, g, call, "output", "input")
     _check_count(g, call, "input", inp, g.size, out.size)
     op = _op(op, out.dtype, g, call)
+    if g.detail:
+        check_call(g, call, out, op)
     if g.xp.may_share_memory(out, inp):
         inp = inp.copy()  # MPI reduces in place only at offset 0; a copy keeps any aliasing correct
-    return g.run(g.backend.reduce_scatter(inp, out, op), call, async_op)
+    return g.run(g.backend.reduce_scatter(inp, out, op), call, async_op, out.dtype, inp.size)
 
 
 def reduce_scatter(
@@ -201,8 +229,10 @@ def reduce_scatter(
     out = g.array(output, g, call, "output")
     ins = check_list(g, call, "input_list", input_list, out, writable=False, count=out.size)
     op = _op(op, out.dtype, g, call)
+    if g.detail:
+        check_call(g, call, out, op)
     send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins else g.xp.empty(0, out.dtype)
-    return g.run(g.backend.reduce_scatter(send, out, op), call, async_op)
+    return g.run(g.backend.reduce_scatter(send, out, op), call, async_op, out.dtype, send.size)
 
 
 def all_gather_single(

@@ -14,6 +14,7 @@ import numpy as np
 
 from commlib._arrays import same_kind
 from commlib._collectives import check_list, root_rank
+from commlib._debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._world import resolve
 from commlib.backends._base import AllOf, Chained, Handle
@@ -129,9 +130,11 @@ def all_to_all_single(
     same_kind(out, inp, g, call, "output", "input")
     sc = _splits(g, call, "input_split_sizes", input_split_sizes, inp)
     rc = _splits(g, call, "output_split_sizes", output_split_sizes, out)
+    if g.detail:  # split sizes may differ across ranks: only the dtype and the row shape must agree
+        check_call(g, call, inp, shape=("*", *inp.shape[1:]))
     if g.xp.may_share_memory(out, inp):
         inp = inp.copy()
-    return g.run(_all_to_all(g, inp, sc, out, rc), call, async_op)
+    return g.run(_all_to_all(g, inp, sc, out, rc), call, async_op, inp.dtype, inp.size)
 
 
 def all_to_all(
@@ -147,10 +150,12 @@ def all_to_all(
     first = g.array(input_tensor_list[0], g, call, "input_tensor_list[0]", writable=False)
     ins = check_list(g, call, "input_tensor_list", input_tensor_list, first, writable=False)
     outs = check_list(g, call, "output_tensor_list", output_tensor_list, first, writable=True)
+    if g.detail:
+        check_call(g, call, first, shape=("*",))
     send = g.xp.concatenate([a.reshape(-1) for a in ins])
     recv = g.xp.empty(sum(a.size for a in outs), first.dtype)
     handle = _all_to_all(g, send, [a.size for a in ins], recv, [a.size for a in outs])
-    return g.run(Chained(handle, lambda: _unpack(recv, outs)), call, async_op)
+    return g.run(Chained(handle, lambda: _unpack(recv, outs)), call, async_op, send.dtype, send.size)
 
 
 def _unpack(flat: np.ndarray, outs: list[np.ndarray]) -> None:
@@ -185,10 +190,12 @@ def gather(
     if g.rank == root:
         outs = check_list(g, call, "gather_list", gather_list, inp, writable=True, count=inp.size)
         flat = g.xp.empty(g.size * inp.size, inp.dtype)
+    if g.detail:
+        check_call(g, call, inp, root=root)
     handle = gather_handle(g, inp, flat, root)
     if outs is not None:
         handle = Chained(handle, lambda: _unpack(flat, outs))
-    return g.run(handle, call, async_op)
+    return g.run(handle, call, async_op, inp.dtype, inp.size)
 
 
 def scatter(
@@ -209,5 +216,7 @@ def scatter(
     if g.rank == root:
         ins = check_list(g, call, "scatter_list", scatter_list, out, writable=False, count=out.size)
         send = g.xp.concatenate([a.reshape(-1) for a in ins])
+    if g.detail:
+        check_call(g, call, out, root=root)
     handle = scatter_handle(g, send, out, root)
-    return g.run(handle, call, async_op)
+    return g.run(handle, call, async_op, out.dtype, out.size)

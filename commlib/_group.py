@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from commlib import _debug, _flight
 from commlib._arrays import host_array
 from commlib.errors import CommError, CommTimeoutError, GroupBrokenError
 
@@ -36,6 +37,7 @@ class ProcessGroup:
         "backend",
         "broken",
         "check_reduction",
+        "detail",
         "host",
         "label",
         "name",
@@ -66,6 +68,11 @@ class ProcessGroup:
         self.array = getattr(backend, "validate", host_array)
         self.host = getattr(backend, "host", True)
         self.check_reduction = getattr(backend, "check_reduction", None)  # backend-specific (dtype, op) limits
+        # COMMLIB_DEBUG=DETAIL: every collective first checks that all ranks make the same call
+        # (commlib._debug); the fused all_reduce path is then skipped, so its hot path has no check.
+        self.detail = _debug.detail()
+        if self.detail:
+            self.all_reduce_wait = None
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"
@@ -74,11 +81,12 @@ class ProcessGroup:
     def backend_name(self) -> str:
         return self.backend.name if self.backend is not None else "none"
 
-    def run(self, handle: Any, call: str, async_op: bool) -> Work | None:
+    def run(self, handle: Any, call: str, async_op: bool, dtype: Any = None, count: int = 0) -> Work | None:
         """Finish issuing a collective: return a Work, or wait for it with the group's timeout."""
-        self.seq += 1
+        self.seq = seq = self.seq + 1
+        slot = _ring.start(self, call, dtype, count, seq)
         if async_op:
-            work = Work(self, handle, call, self.seq)
+            work = Work(self, handle, call, seq, slot=slot)
             self.pending.append(work)
             return work
         if self.pending:
@@ -86,17 +94,28 @@ class ProcessGroup:
         if not self.host and hasattr(handle, "defer"):
             handle.defer()  # device work, as torch's NCCL: the caller's stream waits, the host goes on
             return None
-        if not handle.wait(self.timeout):
-            self.fail_timeout(call, self.seq, self.timeout)
+        self.finish(handle, call, seq, slot, self.timeout)
         return None
+
+    def finish(self, handle: Any, call: str, seq: int, slot: int, timeout: float) -> None:
+        """Wait for ``handle``; record the outcome; on failure fence the group off and raise."""
+        try:
+            done = handle.wait(timeout)
+        except CommError as e:
+            _ring.end(slot, self, seq, ok=False)
+            self.mark_broken(e)
+            raise
+        if not done:
+            _ring.end(slot, self, seq, ok=False)
+            self.fail_timeout(call, seq, timeout)
+        _ring.end(slot, self, seq)
 
     def drain(self, upto: Work | None, timeout: float) -> None:
         """Complete pending collectives in issue order, up to and including ``upto`` (all when None)."""
         pending = self.pending
         while pending:
             work = pending[0]
-            if not work.handle.wait(timeout):
-                self.fail_timeout(work.call, work.seq, timeout)
+            self.finish(work.handle, work.call, work.seq, work.slot, timeout)
             work.done = True
             pending.popleft()
             if work is upto:
@@ -109,6 +128,7 @@ class ProcessGroup:
             work = pending[0]
             if not work.handle.test():
                 return False
+            _ring.end(work.slot, self, work.seq)
             work.done = True
             pending.popleft()
             if work is upto:
@@ -117,10 +137,15 @@ class ProcessGroup:
 
     def fail_timeout(self, call: str, seq: int, timeout: float) -> None:
         """Mark the group broken and raise the ``CommTimeoutError`` that says what was waited for."""
+        from commlib import _monitor
+
+        arrived = _monitor.arrival(self, call, seq, timeout)
+        dumped = _flight.dump(f"timeout in {call} #{seq} on group {self.name!r}")
         err = CommTimeoutError(
             f"{self.label}{call} (call #{seq} on group {self.name!r}, ranks {_ranks(self.ranks)}) did not complete "
             f"within {timeout:g} s: a peer rank did not make the matching call (it may have failed, be stuck, "
-            f"or be making a different call); the group is now unusable"
+            f"or be making a different call){arrived}; the group is now unusable"
+            + (f" (flight recorder: {dumped})" if dumped else "")
         )
         self.mark_broken(err)
         raise err
@@ -165,6 +190,9 @@ class ProcessGroup:
         return group_rank
 
 
+_ring = _flight.ring
+
+
 def _ranks(ranks: list[int]) -> str:
     if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
         return f"{ranks[0]}..{ranks[-1]}"
@@ -179,14 +207,17 @@ class Work:
     Work is not ordered with collectives (like gloo, unlike one NCCL stream).
     """
 
-    __slots__ = ("call", "done", "group", "handle", "ordered", "seq")
+    __slots__ = ("call", "done", "group", "handle", "ordered", "seq", "slot")
 
-    def __init__(self, group: ProcessGroup, handle: Any, call: str, seq: int, ordered: bool = True) -> None:
+    def __init__(
+        self, group: ProcessGroup, handle: Any, call: str, seq: int, ordered: bool = True, slot: int = -1
+    ) -> None:
         self.group = group
         self.handle = handle
         self.call = call
         self.seq = seq
         self.ordered = ordered
+        self.slot = slot  # the flight recorder's slot of a collective
         self.done = False
 
     def __repr__(self) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 
 from commlib._collectives import root_rank
 from commlib._composed import gather_handle, scatter_handle
+from commlib._debug import check as check_call
 from commlib._group import ProcessGroup
 from commlib._world import resolve
 
@@ -74,6 +75,8 @@ def all_gather_object(object_list: list, obj: Any, group: ProcessGroup | None = 
     call = "all_gather_object"
     g = resolve(group, call)
     _check_list(g, call, "object_list", object_list, g.size)
+    if g.detail:
+        check_call(g, call)
     data = _dump(obj)
     sizes = _all_gather(g, call, np.array([data.size], _I64))
     width = int(sizes.max())
@@ -94,6 +97,8 @@ def gather_object(
     root = root_rank(g, call, dst, group_dst, "dst", default=0)
     if g.rank == root:
         _check_list(g, call, "object_gather_list", object_gather_list, g.size)
+    if g.detail:
+        check_call(g, call, root=root)
     data = _dump(obj)
     sizes = _all_gather(g, call, np.array([data.size], _I64))
     width = int(sizes.max())
@@ -116,6 +121,8 @@ def broadcast_object_list(
     g = resolve(group, call)
     _check_list(g, call, "object_list", object_list, None)
     root = root_rank(g, call, src, group_src, "src")
+    if g.detail:
+        check_call(g, call, root=root)
     mine = g.rank == root
     chunks = [_dump(o) for o in object_list] if mine else []
     sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(len(object_list), _I64)
@@ -144,6 +151,8 @@ def scatter_object_list(
     mine = g.rank == root
     if mine:
         _check_list(g, call, "scatter_object_input_list", scatter_object_input_list, g.size)
+    if g.detail:
+        check_call(g, call, root=root)
     chunks = [_dump(o) for o in scatter_object_input_list] if mine else []
     sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(g.size, _I64)
     sizes = _broadcast(g, call, sizes, root)

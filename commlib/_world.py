@@ -126,11 +126,23 @@ def _make_world(
             f"`mpiexec -n {expected} python script.py` or "
             f"`python -m commlib.launch --nproc_per_node {expected} script.py`"
         )
+    _watch(backend, timeout)
     if name == "nccl":
         backend = _nccl_world(backend, info, timeout)
     return ProcessGroup(
         backend, list(range(backend.size)), backend.rank, "world", timeout, f"[rank {backend.rank}/{backend.size}] "
     )
+
+
+def _watch(backend: Any, timeout: float) -> None:
+    """Start the job monitor and the flight recorder's SIGUSR1 dump; report uncaught exceptions before MPI_Abort."""
+    from commlib import _flight, _monitor
+    from commlib.backends import mpi
+
+    _monitor.setup(backend, timeout)
+    _flight.install_signal()
+    if _monitor.report_uncaught not in mpi.before_abort:
+        mpi.before_abort.append(_monitor.report_uncaught)
 
 
 def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float) -> Any:

@@ -7,7 +7,13 @@ ranks is a :class:`CommError`.
 
 from __future__ import annotations
 
-__all__ = ["BackendUnavailableError", "CommError", "CommTimeoutError", "GroupBrokenError"]
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "CommError",
+    "CommTimeoutError",
+    "GroupBrokenError",
+]
 
 
 class CommError(RuntimeError):
@@ -20,6 +26,10 @@ class CommTimeoutError(CommError, TimeoutError):
 
 class GroupBrokenError(CommError):
     """The group failed earlier (e.g. a timeout) and can no longer be used; ``__cause__`` is the original error."""
+
+
+class CollectiveMismatchError(CommError):
+    """Under ``COMMLIB_DEBUG=DETAIL``: the ranks of a group were not making the same call (``calls``: rank -> call)."""
 
 
 class BackendUnavailableError(CommError):

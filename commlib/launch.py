@@ -29,11 +29,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlib._mpiexec import find_mpiexec, kill_group_or_process, pid_alive
+from commlib._mpiexec import find_mpiexec, kill_group_or_process, pid_alive, send_signal
 
 __all__ = ["build_command", "main", "parse_args"]
 
 _GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the other workers when one fails
+# After a worker raised, how long the others get to fail by themselves (they learn who failed through
+# the job store within ~1 s, and the failed rank then ends the job with MPI_Abort) before SIGTERM.
+_SETTLE = 4.0
+_DUMP_WAIT = 0.5  # how long the workers get to write their flight recorder dumps after SIGUSR1
 
 
 def _nproc(value: str) -> int:
@@ -73,7 +77,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="write each worker's output to --logdir instead of the terminal",
     )
-    p.add_argument("--logdir", default="log", help="folder for per-rank output (default: ./log)")
+    p.add_argument(
+        "--logdir",
+        default=None,
+        help="folder for per-rank output (default: ./log) and, when given, flight recorder dumps (<logdir>/flight)",
+    )
     p.add_argument("--standalone", action="store_true", help="single-node job on localhost (torchrun's flag)")
     p.add_argument("--max_restarts", type=int, default=0, help="restart every worker up to N times after a failure")
     p.add_argument("training_script", help="the script (or module with -m, or program with --no_python)")
@@ -106,7 +114,7 @@ def build_command(args: argparse.Namespace) -> list[str]:
     n, node = args.nproc_per_node, args.node_rank
     cmd = [find_mpiexec()]
     if args.redirect_stdout_and_stderr:
-        log = Path(args.logdir).resolve()
+        log = Path(args.logdir or "log").resolve()
         log.mkdir(parents=True, exist_ok=True)
         cmd += ["-outfile-pattern", str(log / "rank%r.stdout"), "-errfile-pattern", str(log / "rank%r.stderr")]
     else:
@@ -148,11 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
     """Run the workers once; return the job's exit code (128 + N when a worker was killed by signal N)."""
+    started_ns = time.time_ns()
     with tempfile.TemporaryDirectory(prefix="commlib-launch-") as status:
         env = dict(os.environ, COMMLIB_LAUNCH_STATUS=status)
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
         store = _serve_store(args)  # several nodes: node 0 serves the rendezvous store for the job
+        monitor = _monitor_env(args, env)
+        flight = Path(env["COMMLIB_FLIGHT_DIR"])
         proc = subprocess.Popen(build_command(args), env=env)
 
         def forward(signum: int, _frame: object) -> None:
@@ -162,18 +173,62 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, forward)
         code, failure = _supervise(proc, Path(status), args.nproc_per_node)
-        if store is not None:
-            store.close()
+        for server in (store, monitor):
+            if server is not None:
+                server.stop() if hasattr(server, "stop") else server.close()
     if failure is not None:
         rank, rank_code, why = failure
-        where = Path(args.logdir) / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
+        where = Path(args.logdir or "log") / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
         print(
             f"commlib.launch: rank {rank} failed ({why}); log: {where}; the job was stopped",
             file=sys.stderr,
             flush=True,
         )
+        _print_flight_summary(flight, args, started_ns)
         return rank_code or code or 1
     return 128 - code if code < 0 else code
+
+
+def _monitor_env(args: argparse.Namespace, env: dict[str, str]) -> object | None:
+    """Give the workers a job store that outlives any of them (timeouts name the missing ranks through it),
+    a job id and the flight recorder's folder; return the store server this launcher runs, if any."""
+    import secrets
+
+    job = f"{os.getpid()}" if args.nnodes == 1 else f"{args.master_addr}-{args.master_port}"
+    env["COMMLIB_JOB_ID"] = job
+    if args.logdir is not None or args.redirect_stdout_and_stderr:
+        folder = Path(args.logdir or "log").resolve() / "flight"
+    else:
+        folder = Path(tempfile.gettempdir()) / f"commlib-flight-{job}"
+    env.setdefault("COMMLIB_FLIGHT_DIR", str(folder))
+    if args.nnodes > 1:  # node 0's launcher serves the rendezvous store: the monitor shares it
+        env["COMMLIB_MONITOR_STORE"] = f"{args.master_addr}:{args.master_port}"
+        env["COMMLIB_MONITOR_TOKEN"] = os.environ.get("COMMLIB_STORE_TOKEN", "")
+        return None
+    from commlib._store_server import StoreServer
+    from commlib._store_wire import Limits
+
+    token = secrets.token_hex(16)
+    try:
+        server = StoreServer("127.0.0.1", 0, token.encode(), Limits(), None)
+    except OSError:
+        return None  # the ranks serve one themselves
+    env["COMMLIB_MONITOR_STORE"] = f"127.0.0.1:{server.port}"
+    env["COMMLIB_MONITOR_TOKEN"] = token
+    return server
+
+
+def _print_flight_summary(folder: Path, args: argparse.Namespace, since_ns: int) -> None:
+    from commlib._flight import summarize
+
+    fresh = [p for p in folder.glob("rank*.json") if p.stat().st_mtime_ns >= since_ns] if folder.is_dir() else []
+    if not fresh:
+        return
+    n = args.nproc_per_node
+    offset = args.node_rank * n
+    text = summarize(folder, offset + n, since_ns)
+    lines = [line for line in text.splitlines() if not line.startswith(tuple(f"  rank {r}:" for r in range(offset)))]
+    print(f"commlib.launch: flight recorder ({folder}):\n" + "\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _serve_store(args: argparse.Namespace) -> object | None:
@@ -187,13 +242,22 @@ def _serve_store(args: argparse.Namespace) -> object | None:
 
 
 def _supervise(proc: subprocess.Popen, status: Path, n: int) -> tuple[int, tuple[int, int, str] | None]:
-    """Wait for the job; when a worker fails, stop the others (SIGTERM, then SIGKILL after the grace)."""
-    failure, kill_at, gone, watch = None, None, {}, _Exits(status, n)
+    """Wait for the job; when a worker fails, stop the others (SIGTERM, then SIGKILL after the grace).
+
+    A worker that raised gives the others up to ``_SETTLE`` s to fail by themselves (the job
+    store tells them who failed); then the survivors are asked for flight recorder dumps.
+    """
+    failure, term_at, kill_at, gone, watch = None, None, None, {}, _Exits(status, n)
     while (code := proc.poll()) is None:
         watch.wait(0.05, gone)
         if failure is None and (failure := _first_failure(status, n, gone)) is not None:
+            raised = failure[1] and "sys.exit(" not in failure[2]  # an exception: the others are told
+            term_at = time.monotonic() + (_SETTLE if raised else 0.0)
+        if term_at is not None and time.monotonic() >= term_at:
+            if _request_dumps(status, n):
+                time.sleep(_DUMP_WAIT)
             proc.send_signal(signal.SIGTERM)
-            kill_at = time.monotonic() + _GRACE
+            term_at, kill_at = None, time.monotonic() + _GRACE
         elif kill_at is not None and time.monotonic() > kill_at:
             _kill_workers(status, n)
             proc.kill()
@@ -202,6 +266,18 @@ def _supervise(proc: subprocess.Popen, status: Path, n: int) -> tuple[int, tuple
     watch.close()
     _kill_workers(status, n)  # whatever hydra left behind (ranks run in sessions of their own)
     return code, failure or _first_failure(status, n, gone)
+
+
+def _request_dumps(status: Path, n: int) -> bool:
+    """SIGUSR1 to the live workers that dump their flight recorder on it; whether any was asked."""
+    asked = False
+    for rank in range(n):
+        note, pid = status / f"rank{rank}.flight", status / f"rank{rank}.pid"
+        if note.exists() and pid.exists() and not (status / f"rank{rank}.exit").exists():
+            worker = int(pid.read_text())
+            if pid_alive(worker):
+                asked = send_signal(worker, signal.SIGUSR1) or asked
+    return asked
 
 
 class _Exits:

@@ -38,6 +38,11 @@ __all__ = ["DONE", "AllOf", "Chained", "Done", "Handle", "poll"]
 _SPIN = 32  # polls between clock reads: a clock read costs about as much as a poll
 _YIELD_AFTER = 0.0005  # seconds of pure spinning before yielding the core (ranks may outnumber cores)
 _SLEEP_AFTER = 0.05  # seconds before backing off to short sleeps (long waits must not burn a core)
+_WATCH_AFTER, _WATCH_EVERY = 0.25, 0.5  # when and how often a long wait calls the watchdog
+
+#: Called as ``watchdog(seconds_waited)`` by long waits (commlib's job monitor sets it): it may
+#: publish progress and raise ``CommError`` when another rank has reported a failure.
+watchdog: Callable[[float], None] | None = None
 
 
 class Handle(Protocol):
@@ -55,9 +60,10 @@ def poll(test: Callable[[], bool], timeout: float) -> bool:
 
     Spins first (the latency of small messages is a few microseconds), then
     yields the core, then sleeps briefly, so a long wait neither adds latency to
-    fast operations nor starves a peer rank sharing the core.
+    fast operations nor starves a peer rank sharing the core. Past 0.25 s it
+    also calls :data:`watchdog`, then every half second.
     """
-    start = None
+    start, watch_at = None, _WATCH_AFTER
     while True:
         for _ in range(_SPIN):
             if test():
@@ -71,6 +77,9 @@ def poll(test: Callable[[], bool], timeout: float) -> bool:
             return test()
         if waited > _SLEEP_AFTER:
             time.sleep(0.0002)
+            if waited > watch_at and watchdog is not None:
+                watch_at = waited + _WATCH_EVERY
+                watchdog(waited)
         elif waited > _YIELD_AFTER:
             os.sched_yield()
 

@@ -9,6 +9,7 @@ otherwise. AVG is SUM followed by one division on completion.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -23,6 +24,10 @@ from commlib.backends._base import DONE, Chained, Handle, poll
 from commlib.errors import CommError, CommTimeoutError
 
 __all__ = ["MpiBackend", "world"]
+
+#: Called as ``hook(kind, value)`` by the uncaught-exception hook before MPI_Abort (commlib's job
+#: monitor adds one that tells the other ranks who failed); errors in it are ignored.
+before_abort: list = []
 
 _MOVE_TYPE = {
     np.dtype(np.int8): MPI.INT8_T,
@@ -209,6 +214,9 @@ class MpiBackend:
                 return True
         except MPI.Exception as e:
             raise _mpi_error(e) from None
+        except BaseException:  # e.g. the watchdog's: a peer failed; MPI may still write into buf
+            self._abandoned.append((req, buf))
+            raise
         self._abandoned.append((req, buf))
         return False
 
@@ -361,6 +369,9 @@ def _abort_on_uncaught_exception() -> None:
         if issubclass(kind, KeyboardInterrupt):
             return
         sys.stdout.flush()
+        for before in before_abort:
+            with contextlib.suppress(BaseException):  # the job must be aborted whatever happens
+                before(kind, value)
         sys.stderr.write(f"commlib: uncaught {kind.__name__} on rank {MPI.COMM_WORLD.Get_rank()}: aborting the job\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)

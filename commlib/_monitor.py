@@ -1,0 +1,238 @@
+"""The job monitor: who arrived at a collective that timed out, and which rank failed first.
+
+MPI and NCCL cannot say which peer is missing, so commlib keeps a small key-value
+store per job for that: the launcher's (``COMMLIB_MONITOR_STORE=host:port``, set
+by ``commlib.launch``), else one that world rank 0 serves, its address sent to
+the others over MPI once at initialisation (cost: well under a millisecond).
+
+Nothing is written on the hot path. A wait that has lasted more than 0.25 s
+(``backends._base.poll``'s slow path) publishes ``rank r waiting in <op> #seq``
+once, and then every half second checks whether a rank has reported a failure; a rank
+whose exception is uncaught reports it before MPI_Abort ends the job. On a
+timeout the waiting rank reads every rank's progress to say who arrived.
+``COMMLIB_MONITOR=0`` turns all of this off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from commlib import _flight
+from commlib.errors import CommError, GroupBrokenError
+
+__all__ = ["arrival", "report_uncaught", "setup", "watchdog"]
+
+_PREFIX = "commlib/mon"
+_FAILED = f"{_PREFIX}/failed"
+_REPORTED = f"{_PREFIX}/reported"
+_STORE_TIMEOUT = 1.0  # the store is an aid: a slow or vanished store must not stall a rank for long
+_GRACE = 1.0  # after a timeout, how long (at most a quarter of the timeout) late ranks get to publish
+_ACK_WAIT = 2.0  # how long a failed rank waits for the others to report, before MPI_Abort
+_MISSING = "\x00missing"
+_PAYLOAD = 256
+
+
+class _State:
+    def __init__(self) -> None:
+        self.address: tuple[str, int, str] | None = None  # host, port, token
+        self.client: Any = None
+        self.dead: str | None = None  # why the store is not used any more
+        self.server: Any = None  # the StoreServer when this process serves it (world rank 0)
+        self.rank, self.size = 0, 1
+        self.published: set[tuple[str, int]] = set()
+        self.failure_raised = False
+
+
+_state = _State()
+
+
+def setup(backend: Any, timeout: float) -> None:
+    """At world creation, on every rank: find the job's store, or serve one on world rank 0."""
+    from commlib.backends import _base
+
+    _state.rank, _state.size = backend.rank, backend.size
+    job = os.environ.get("COMMLIB_JOB_ID", "")
+    if os.environ.get("COMMLIB_MONITOR", "1") == "0" or backend.size == 1:
+        _flight.set_job(backend.rank, backend.size, job or str(os.getpid()))
+        return
+    given = os.environ.get("COMMLIB_MONITOR_STORE")
+    if given:
+        host, _, port = given.rpartition(":")
+        _state.address = (host, int(port), os.environ.get("COMMLIB_MONITOR_TOKEN", ""))
+    else:
+        job = _serve_and_share(backend, timeout) or job
+    _flight.set_job(backend.rank, backend.size, job or "unknown")
+    _base.watchdog = watchdog
+
+
+def _serve_and_share(backend: Any, timeout: float) -> str:
+    """World rank 0 serves a store; its address, token and a job id reach the others by one broadcast."""
+    buf = np.zeros(_PAYLOAD, np.uint8)
+    if backend.rank == 0:
+        text = ""
+        try:
+            text = _serve()
+        except OSError as e:
+            print(f"commlib: no job monitor store ({e}); timeouts will not name the missing ranks", file=sys.stderr)
+        raw = text.encode()[:_PAYLOAD]
+        buf[: len(raw)] = np.frombuffer(raw, np.uint8)
+    if not backend.broadcast(buf, 0).wait(timeout):
+        return ""
+    fields = buf.tobytes().rstrip(b"\0").decode().split()
+    if len(fields) == 4:
+        _state.address = (fields[0], int(fields[1]), fields[2])
+        return fields[3]
+    return ""
+
+
+def _serve() -> str:
+    from commlib._store_server import StoreServer
+    from commlib._store_wire import Limits
+
+    token = secrets.token_hex(16)
+    _state.server = StoreServer("0.0.0.0", 0, token.encode(), Limits(), None)
+    try:
+        host = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        host = "127.0.0.1"
+    return f"{host} {_state.server.port} {token} {os.getpid()}"
+
+
+def _client() -> Any:
+    """The store client, connected on first use; None once the store proved unusable."""
+    if _state.client is None and _state.dead is None:
+        if _state.address is None:
+            _state.dead = "no job store (COMMLIB_MONITOR=0, or it could not be started)"
+            return None
+        from commlib.store import TCPStore
+
+        host, port, token = _state.address
+        try:
+            _state.client = TCPStore(host, port, timeout=_STORE_TIMEOUT, token=token or None)
+        except CommError as e:
+            _dead(f"the job store at {host}:{port} is unreachable ({e})")
+    return _state.client
+
+
+def _dead(why: str) -> None:
+    _state.dead = why
+    if _state.client is not None:
+        with contextlib.suppress(CommError):
+            _state.client.close()
+    _state.client = None
+
+
+def _call(method: str, *args: Any) -> Any:
+    """One store request; on failure the store is given up (it must not stall every later wait)."""
+    client = _client()
+    if client is None:
+        return None
+    try:
+        return getattr(client, method)(*args)
+    except (CommError, OSError, ValueError) as e:
+        host, port, _ = _state.address or ("?", 0, "")
+        _dead(f"the job store at {host}:{port} stopped answering ({type(e).__name__}: {e})")
+        return None
+
+
+def _progress_key(g: Any, group_rank: int) -> str:
+    return f"{_PREFIX}/progress/{g.name}/{group_rank}"
+
+
+def _publish(g: Any, call: str, seq: int) -> None:
+    if (g.name, seq) not in _state.published:
+        _state.published.add((g.name, seq))
+        _call("set", _progress_key(g, g.rank), f"{seq} {call}")
+
+
+def watchdog(waited: float) -> None:
+    """The slow path of every wait (after 0.25 s, then every 0.5 s): publish progress, fail fast on a peer's failure."""
+    if _state.dead is not None or _state.failure_raised:
+        return
+    running = _flight.waiting()
+    if running is not None and running[0].rank >= 0:
+        _publish(*running)
+    failure = _call("compare_set", _FAILED, _MISSING, _MISSING)
+    if failure is None or failure.decode(errors="replace") == _MISSING:
+        return
+    _state.failure_raised = True
+    where = ""
+    if running is not None:
+        g, call, seq = running
+        where = f"{g.label}{call} (call #{seq} on group {g.name!r}): "
+    err = GroupBrokenError(
+        f"{where}{failure.decode(errors='replace')} (reported through the job's store after this rank had "
+        f"waited {waited:.1f} s); the group is now unusable"
+    )
+    err.commlib_peer_failure = True  # type: ignore[attr-defined]
+    raise err
+
+
+def arrival(g: Any, call: str, seq: int, timeout: float) -> str:
+    """Which ranks of ``g`` reached call #``seq`` (from their published progress), as text for the error."""
+    if g.rank < 0:
+        return ""
+    _publish(g, call, seq)
+    deadline, seen = time.monotonic() + min(_GRACE, timeout / 4), None
+    while _state.dead is None:
+        reading = {p: _progress(g, p) for p in range(g.size) if p != g.rank}
+        if _state.dead is not None:  # the store went away mid-reading (e.g. its host rank exited)
+            break
+        seen = reading
+        if all(s is not None and s[0] >= seq for s in seen.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if seen is None:
+        return f"; which ranks arrived is unknown: {_state.dead}"
+    arrived, missing, notes = [g.ranks[g.rank]], [], []
+    for p, s in seen.items():
+        rank = g.ranks[p]
+        if s is None or s[0] < seq:
+            missing.append(rank)
+            seen_at = "never reported waiting" if s is None else f"was last seen waiting in {s[1]} #{s[0]}"
+            notes.append(f"rank {rank} {seen_at}")
+        else:
+            arrived.append(rank)
+            if s[0] > seq or s[1] != call:
+                notes.append(f"rank {rank} is in {s[1]} #{s[0]}")
+    text = f"; arrived: ranks {sorted(arrived)}; not arrived: ranks {missing}"
+    return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _progress(g: Any, p: int) -> tuple[int, str] | None:
+    raw = _call("compare_set", _progress_key(g, p), _MISSING, _MISSING)
+    if raw is None or raw.decode(errors="replace") == _MISSING:
+        return None
+    seq, _, call = raw.decode(errors="replace").partition(" ")
+    return (int(seq), call) if seq.isdigit() else None
+
+
+def report_uncaught(kind: type[BaseException], value: BaseException) -> None:
+    """Before MPI_Abort: dump the flight recorder and tell the other ranks which rank failed, and how.
+
+    The first rank to fail waits (up to 2 s) until the others have reported that
+    they saw it, so their errors reach the output before MPI_Abort stops them.
+    """
+    _flight.dump(f"uncaught {kind.__name__}: {value}")
+    if getattr(value, "commlib_peer_failure", False):
+        _call("add", _REPORTED, 1)
+        time.sleep(_ACK_WAIT + 1.0)  # the failed rank aborts the job once everyone has reported
+        return
+    text = f"rank {_state.rank} failed with {kind.__name__}: {value}"[:2000]
+    if _call("compare_set", _FAILED, "", text) != text.encode():
+        _call("add", _REPORTED, 1)  # another rank failed first: it ends the job
+        return
+    deadline = time.monotonic() + _ACK_WAIT
+    while time.monotonic() < deadline and _state.dead is None:
+        reported = _call("add", _REPORTED, 0)
+        if reported is not None and reported >= _state.size - 1:
+            return
+        time.sleep(0.05)

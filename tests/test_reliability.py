@@ -1,0 +1,218 @@
+"""Diagnosis on real ranks: COMMLIB_DEBUG=DETAIL call checks, timeouts that say who arrived, the flight
+recorder, monitored_barrier on every backend; and the flight recorder's ring and summary without processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference import BACKENDS
+
+from commlib.testing import run
+
+DETAIL = {"COMMLIB_DEBUG": "DETAIL"}
+
+
+def detail_job() -> dict:
+    """Matching calls pass the check; rank 1 calling all_gather, or a different shape, fails on every rank."""
+    import commlib as dist
+    from commlib.errors import CollectiveMismatchError, GroupBrokenError
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    x = np.full(4, me + 1.0, np.float32)
+    dist.all_reduce(x)
+    dist.broadcast(x, src=1)
+    gathered = np.zeros(4 * n, np.float32)
+    dist.all_gather_into_tensor(gathered, x)
+    split = [me + 1 if p == 0 else 1 for p in range(n)]  # uneven, different on every rank
+    recv = np.zeros(sum(p + 1 if me == 0 else 1 for p in range(n)), np.float32)
+    dist.all_to_all_single(recv, np.ones(sum(split), np.float32), [p + 1 if me == 0 else 1 for p in range(n)], split)
+    objs: list = [None] * n
+    dist.all_gather_object(objs, {"rank": me})
+    dist.barrier()
+    out["matching"] = (float(x.sum()), objs == [{"rank": r} for r in range(n)])
+    for case in ("op", "shape"):
+        g = dist.new_group(list(range(n)))
+        start = time.monotonic()
+        try:
+            if case == "op" and me == 1:
+                dist.all_gather([np.zeros(4, np.float32) for _ in range(n)], np.ones(4, np.float32), group=g)
+            else:
+                dist.all_reduce(np.ones(8 if case == "shape" and me == 1 else 4, np.float32), group=g)
+            out[case] = ("no error",)
+        except CollectiveMismatchError as e:
+            out[case] = (type(e).__name__, str(e), time.monotonic() - start)
+        try:
+            dist.barrier(group=g)
+        except GroupBrokenError as e:
+            out[case] += (str(e),)
+    return out
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_detail_lists_every_ranks_call(backend: str) -> None:
+    n = 3
+    results = run(detail_job, n, timeout=90, env={**BACKENDS[backend], **DETAIL})
+    for rank, res in enumerate(results):
+        assert res["matching"] == (4 * (1.0 + 2.0 + 3.0), True), res  # the checked calls ran correctly
+        kind, message, waited, later = res["op"]
+        assert kind == "CollectiveMismatchError", res["op"]
+        assert message.startswith(f"[rank {rank}/{n}] "), message
+        assert (
+            "rank 0: all_reduce(seq 1, float32[4], SUM) / rank 1: all_gather(seq 1, float32[4]) / "
+            "rank 2: all_reduce(seq 1, float32[4], SUM)" in message
+        ), message
+        assert waited < 5, waited  # found by the check, not by a timeout
+        assert "failed earlier and cannot be used" in later, later
+        kind, message, _, _ = res["shape"]
+        assert kind == "CollectiveMismatchError", res["shape"]
+        assert "rank 1: all_reduce(seq 1, float32[8], SUM)" in message, message
+        assert "rank 0: all_reduce(seq 1, float32[4], SUM)" in message, message
+
+
+def undetected_mismatch_job(size: int) -> tuple:
+    """Without DETAIL: rank 1 all-gathers while the others all-reduce; no rank may hang."""
+    import commlib as dist
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    x = np.ones(size, np.float32)
+    start = time.monotonic()
+    try:
+        if me == 1:
+            dist.all_gather_into_tensor(np.zeros(n * size, np.float32), x)
+        else:
+            dist.all_reduce(x)
+        return ("no error", "", time.monotonic() - start)
+    except dist.CommError as e:
+        return (type(e).__name__, str(e), time.monotonic() - start)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_mismatch_without_detail_fails_on_every_rank(backend: str) -> None:
+    """MPI cannot pair these calls: every rank times out naming its op. The emulator sees the sizes differ."""
+    timeout = 2.0
+    env = {**BACKENDS[backend], "COMMLIB_TIMEOUT": str(timeout)}
+    results = run(undetected_mismatch_job, 3, 1 << 18, timeout=90, env=env)
+    for rank, (kind, message, waited) in enumerate(results):
+        assert kind in ("CommTimeoutError", "CommError"), (rank, kind, message)
+        assert waited < timeout + 10, waited
+        if kind == "CommTimeoutError":
+            op = "all_gather_into_tensor" if rank == 1 else "all_reduce"
+            assert f"{op} (call #1 on group 'world'" in message and f"within {timeout:g} s" in message, message
+    if backend == "mpi":
+        assert all(kind == "CommTimeoutError" for kind, _, _ in results), results
+        assert "rank 1 is in all_gather_into_tensor #1" in results[0][1], results[0][1]
+
+
+def straggler_job(flight_dir: str) -> tuple:
+    """Rank 2 arrives after the timeout: ranks 0 and 1 name it; their flight recorders show the failed call."""
+    import commlib as dist
+    from commlib.errors import GroupBrokenError
+
+    me = dist.get_rank()
+    x = np.ones(2, np.float32)
+    dist.all_reduce(x)
+    if me == 2:
+        time.sleep(4)
+        return ("late", "", 0.0, "")
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        return ("no error", "", 0.0, "")
+    except dist.CommTimeoutError as e:
+        waited = time.monotonic() - start
+        try:
+            dist.all_reduce(x)
+            later = "no error"
+        except GroupBrokenError as e2:
+            later = str(e2)
+        return ("CommTimeoutError", str(e), waited, later)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_timeout_names_ranks_that_did_not_arrive(backend: str, tmp_path: Path) -> None:
+    env = {**BACKENDS[backend], "COMMLIB_TIMEOUT": "1.5", "COMMLIB_FLIGHT_DIR": str(tmp_path)}
+    results = run(straggler_job, 3, str(tmp_path), timeout=90, env=env)
+    for rank in (0, 1):
+        kind, message, waited, later = results[rank]
+        assert kind == "CommTimeoutError", results[rank]
+        assert f"[rank {rank}/3] all_reduce (call #2 on group 'world', ranks [0, 1, 2])" in message, message
+        assert "arrived: ranks [0, 1]; not arrived: ranks [2]" in message, message
+        assert 1.5 <= waited < 1.5 + 10, waited
+        assert "failed earlier and cannot be used" in later, later
+        dump = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert dump["rank"] == rank and dump["reason"].startswith("timeout in all_reduce #2")
+        states = [(e["op"], e["seq"], e["state"]) for e in dump["entries"]]
+        assert states == [("all_reduce", 1, "completed"), ("all_reduce", 2, "failed")], states
+
+
+def monitored_late_job() -> str:
+    import commlib as dist
+
+    dist.barrier()  # start together: process start-up on 2 cores can be skewed by more than the timeout
+    if dist.get_rank() == 2:
+        time.sleep(2.5)
+        return "late"
+    try:
+        dist.monitored_barrier(timeout=1)
+    except dist.CommError as e:
+        return str(e)
+    return "passed"
+
+
+def test_monitored_barrier_names_missing_ranks_on_the_nccl_emulator() -> None:
+    """test_async covers mpi; the same on the nccl backend (its p2p runs over the emulator)."""
+    results = run(monitored_late_job, 3, timeout=60, env=BACKENDS["nccl"])
+    assert "monitored_barrier" in results[0] and "ranks [2] did not reach the barrier" in results[0], results[0]
+    # Rank 0's timeout aborts its NCCL communicator, which rank 1 may see before its own timeout.
+    released = "rank 0 (global rank 0) did not release the barrier" in results[1]
+    assert released or "rank 0 closed the connection without destroying its communicator" in results[1], results[1]
+
+
+def test_default_timeouts_follow_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from commlib import _world
+
+    monkeypatch.delenv("COMMLIB_TIMEOUT", raising=False)
+    assert _world._default_timeout("nccl") == 600.0 and _world._default_timeout("mpi") == 1800.0
+    monkeypatch.setenv("COMMLIB_TIMEOUT", "7")
+    assert _world._default_timeout("nccl") == _world._default_timeout("mpi") == 7.0
+
+
+class _Group:
+    def __init__(self, name: str) -> None:
+        self.name, self.ranks, self.rank, self.label = name, [0, 1], 0, ""
+
+
+def test_flight_ring_states_and_wraparound() -> None:
+    from commlib._flight import Ring
+
+    ring, g = Ring(4), _Group("world")
+    slots = [ring.start(g, "all_reduce", np.dtype(np.float32), 4, seq) for seq in range(1, 7)]
+    assert slots == [0, 1, 2, 3, 0, 1]  # 6 calls in 4 slots: seqs 5 and 6 replaced 1 and 2
+    ring.end(slots[2], g, 3)
+    ring.end(slots[3], g, 4, ok=False)
+    ring.end(slots[0], g, 1)  # seq 1's slot now holds seq 5: its end must not be recorded there
+    states = {e[4]: ring.ends[i] for i, e in enumerate(ring.starts)}
+    assert sorted(states) == [3, 4, 5, 6]
+    assert states[3] > 0 and states[4] < 0 and states[5] == 0 and states[6] == 0
+
+
+def test_flight_summary_names_the_stuck_and_the_missing(tmp_path: Path) -> None:
+    from commlib._flight import summarize
+
+    def entry(seq: int, state: str) -> dict:
+        return {"group": "world", "op": "all_reduce", "seq": seq, "state": state, "start_ns": seq * 10**9}
+
+    for rank, entries in {0: [entry(1, "completed"), entry(2, "started")], 1: [entry(1, "completed")]}.items():
+        doc = {"rank": rank, "reason": "SIGUSR1", "time_ns": 5 * 10**9, "entries": entries}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(doc))
+    text = summarize(tmp_path, 3)
+    assert text.splitlines()[0] == (
+        "ranks [0] did not complete all_reduce #2 on group 'world'; ranks [1] never reached it; "
+        "ranks [2] left no record (dead or stopped?)"
+    )
+    assert "rank 2: no flight record" in text
