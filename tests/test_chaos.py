@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -154,11 +155,14 @@ def test_sigstop_rank_is_named_as_not_arrived(tmp_path: Path) -> None:
     print(f"\nSIGSTOP: survivors detected after {[round(d, 2) for d in delays]} s, exit code {proc.returncode}")
     assert len(found) >= 1, (out, err)
     for _, text in found:
-        assert text.startswith("CommTimeoutError:"), text
-        assert "not arrived: ranks [1]" in text and f"within {timeout:g} s" in text, text
+        assert text.startswith("CommTimeoutError:") and f"within {timeout:g} s" in text, text
+        # Rank 1 is always among the missing; a survivor still held up in the previous call by the
+        # stopped rank (its part of that call needed rank 1) may be listed too, with where it was.
+        missing = re.search(r"not arrived: ranks \[([0-9, ]*)\]", text)
+        assert missing and "1" in missing.group(1).split(", "), text
     assert all(timeout <= d < timeout + SLACK for d in delays), delays
     assert proc.returncode != 0
-    assert "ranks [0, 2] did not complete all_reduce #" in err and "ranks [1] left no record" in err, err[-3000:]
+    assert "did not complete all_reduce #" in err and "ranks [1] left no record" in err, err[-3000:]
     assert _no_orphans(script.name) == []
 
 
