@@ -22,12 +22,12 @@ def barrier(
 ) -> Work | None:
     """Wait until every rank of the group has called barrier (``timeout`` overrides the group's)."""
     g = resolve(group, "barrier")
+    seconds = None if timeout is None else as_seconds(timeout, f"{g.label}barrier")  # checked before posting
     if g.detail:
         check_call(g, "barrier")
     handle = g.backend.barrier()
-    if timeout is None or async_op:
+    if seconds is None or async_op:
         return g.run(handle, "barrier", async_op)
-    seconds = as_seconds(timeout, "barrier")
     if g.pending:
         g.drain(None, g.timeout)
     g.seq = seq = g.seq + 1
@@ -45,7 +45,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     """
     call = "monitored_barrier"
     g = resolve(group, call)
-    seconds = g.timeout if timeout is None else as_seconds(timeout, call)
+    seconds = g.timeout if timeout is None else as_seconds(timeout, f"{g.label}{call}")
     if g.detail:
         check_call(g, call)
     g.seq += 1

@@ -69,7 +69,14 @@ def _check_count(g: ProcessGroup, call: str, arg: str, a: np.ndarray, n: int, ea
 
 
 def check_list(
-    g: ProcessGroup, call: str, arg: str, items: Any, like: np.ndarray, writable: bool, count: int | None = None
+    g: ProcessGroup,
+    call: str,
+    arg: str,
+    items: Any,
+    like: np.ndarray,
+    writable: bool,
+    count: int | None = None,
+    like_arg: str = "tensor",
 ) -> list[np.ndarray]:
     """Validate a list of ``g.size`` arrays with ``like``'s dtype and size (``count`` elements if given)."""
     if not isinstance(items, (list, tuple)):
@@ -79,9 +86,9 @@ def check_list(
     out = []
     for i, item in enumerate(items):
         a = g.array(item, g, call, f"{arg}[{i}]", writable)
-        same_kind(a, like, g, call, f"{arg}[{i}]", "tensor")
+        same_kind(a, like, g, call, f"{arg}[{i}]", like_arg)
         if count is not None and a.size != count:
-            raise ValueError(f"{g.label}{call}: {arg}[{i}] must have {count} elements like the tensor, got {a.size}")
+            raise ValueError(f"{g.label}{call}: {arg}[{i}] must have {count} elements like {like_arg}, got {a.size}")
         out.append(a)
     return out
 
@@ -227,7 +234,7 @@ def reduce_scatter(
     call = "reduce_scatter"
     g = resolve(group, call)
     out = g.array(output, g, call, "output")
-    ins = check_list(g, call, "input_list", input_list, out, writable=False, count=out.size)
+    ins = check_list(g, call, "input_list", input_list, out, writable=False, count=out.size, like_arg="output")
     op = _op(op, out.dtype, g, call)
     if g.detail:
         check_call(g, call, out, op)

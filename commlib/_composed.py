@@ -148,8 +148,9 @@ def all_to_all(
             f"{g.label}{call}: input_tensor_list must be a list of {g.size} tensors, got {input_tensor_list!r}"
         )
     first = g.array(input_tensor_list[0], g, call, "input_tensor_list[0]", writable=False)
-    ins = check_list(g, call, "input_tensor_list", input_tensor_list, first, writable=False)
-    outs = check_list(g, call, "output_tensor_list", output_tensor_list, first, writable=True)
+    ref = "input_tensor_list[0]"
+    ins = check_list(g, call, "input_tensor_list", input_tensor_list, first, writable=False, like_arg=ref)
+    outs = check_list(g, call, "output_tensor_list", output_tensor_list, first, writable=True, like_arg=ref)
     if g.detail:
         check_call(g, call, first, shape=("*",))
     send = g.xp.concatenate([a.reshape(-1) for a in ins])

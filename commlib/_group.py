@@ -171,10 +171,10 @@ class ProcessGroup:
 
     def group_rank(self, global_rank: int, where: str, arg: str) -> int:
         """The group rank of ``global_rank``; ``ValueError`` when it is not in the group."""
-        if isinstance(global_rank, bool) or not isinstance(global_rank, int):
+        if isinstance(global_rank, (bool, np.bool_)) or not isinstance(global_rank, (int, np.integer)):
             raise TypeError(f"{self.label}{where}: {arg} must be an int rank, got {global_rank!r}")
         try:
-            return self.ranks.index(global_rank)
+            return self.ranks.index(int(global_rank))
         except ValueError:
             raise ValueError(
                 f"{self.label}{where}: {arg}={global_rank} is not a rank of group {self.name!r} "
@@ -183,11 +183,11 @@ class ProcessGroup:
 
     def check_group_rank(self, group_rank: int, where: str, arg: str) -> int:
         """``group_rank`` itself when it is a valid rank of this group."""
-        if isinstance(group_rank, bool) or not isinstance(group_rank, int):
+        if isinstance(group_rank, (bool, np.bool_)) or not isinstance(group_rank, (int, np.integer)):
             raise TypeError(f"{self.label}{where}: {arg} must be an int rank, got {group_rank!r}")
         if not 0 <= group_rank < self.size:
             raise ValueError(f"{self.label}{where}: {arg}={group_rank} is out of range for a group of size {self.size}")
-        return group_rank
+        return int(group_rank)
 
 
 _ring = _flight.ring
@@ -236,7 +236,7 @@ class Work:
         if timeout is None and not group.host and hasattr(self.handle, "defer"):
             self.handle.defer()
             return True
-        seconds = group.timeout if timeout is None else as_seconds(timeout, f"{self.call} Work.wait")
+        seconds = group.timeout if timeout is None else as_seconds(timeout, f"{group.label}{self.call} Work.wait")
         if group.broken is not None:
             group.refuse(self.call)
         if self.ordered:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from commlib._group import ProcessGroup, Work
-from commlib._world import resolve
+from commlib._world import label, resolve
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
@@ -96,7 +96,7 @@ class P2POp:
         group_peer: int | None = None,
     ) -> None:
         if op not in (isend, irecv):
-            raise ValueError(f"P2POp: op must be commlib.isend or commlib.irecv, got {op!r}")
+            raise ValueError(f"{label()}P2POp: op must be commlib.isend or commlib.irecv, got {op!r}")
         self.op, self.tensor, self.peer, self.group, self.tag, self.group_peer = (
             op,
             tensor,
@@ -115,12 +115,12 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Post a batch of sends and receives together (any order, no deadlock); returns one Work per op."""
     call = "batch_isend_irecv"
     if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
-        raise ValueError(f"{call}: p2p_op_list must be a non-empty list of P2POp, got {p2p_op_list!r}")
+        raise ValueError(f"{label()}{call}: p2p_op_list must be a non-empty list of P2POp, got {p2p_op_list!r}")
     if not all(isinstance(p, P2POp) for p in p2p_op_list):
-        raise TypeError(f"{call}: every element of p2p_op_list must be a P2POp, got {p2p_op_list!r}")
+        raise TypeError(f"{label()}{call}: every element of p2p_op_list must be a P2POp, got {p2p_op_list!r}")
     groups = {id(p.group) for p in p2p_op_list}
     if len(groups) != 1:
-        raise ValueError(f"{call}: all P2POps of a batch must use the same group")
+        raise ValueError(f"{label()}{call}: all P2POps of a batch must use the same group")
     g = resolve(p2p_op_list[0].group, call)
     # Validate every op before posting any, so a bad op leaves nothing half-sent.
     plan = []

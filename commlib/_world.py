@@ -211,13 +211,26 @@ def _check_explicit(world: ProcessGroup, world_size: int, rank: int) -> None:
         raise ValueError(f"init_process_group: rank={rank}, but the launcher made this process rank {world.rank}")
 
 
+def label() -> str:
+    """The default group's message prefix ("[rank 2/4] ") for a caller's error, joining the job if needed
+    (as the call would have); "" when there is no job to join."""
+    if _state.world is None:
+        try:
+            _implicit_world()
+        except Exception:  # the caller's own error is the one to report
+            return ""
+    return _state.world.label if _state.world is not None else ""
+
+
 def resolve(group: ProcessGroup | None, call: str) -> ProcessGroup:
     """The group a call runs on: ``group``, or the default group (initialised on first use)."""
     g = _state.world if group is None else group
     if g is None:
         g = _implicit_world()
     elif type(g) is not ProcessGroup:
-        raise TypeError(f"{call}: group must be a ProcessGroup from commlib.new_group() or None, got {group!r}")
+        raise TypeError(
+            f"{label()}{call}: group must be a ProcessGroup from commlib.new_group() or None, got {group!r}"
+        )
     if g.broken is not None or g.backend is None:
         g.refuse(call)
     return g
@@ -268,7 +281,7 @@ def new_group(
             f"{world.label}new_group: backend={backend!r} differs from the default group's "
             f"{world.backend_name!r}; groups use the default group's backend"
         )
-    seconds = world.timeout if timeout is None else as_seconds(timeout, "new_group")
+    seconds = world.timeout if timeout is None else as_seconds(timeout, f"{world.label}new_group")
     try:
         sub = world.backend.split(members, world.timeout)
     except CommTimeoutError as e:

@@ -292,3 +292,20 @@ def test_implicit_and_explicit_initialisation() -> None:
         assert (before, after) == (False, True)
         assert "the default group is already initialised" in again
         assert wrong == "init_process_group: world_size=3, but the job has 2 ranks"
+
+
+def _numpy_int_ranks_job() -> list[float]:
+    import numpy as np
+
+    import commlib as dist
+
+    x = np.full(3, float(dist.get_rank()))
+    dist.broadcast(x, src=np.int64(1))  # ranks as numpy integers, as torch accepts them
+    y = np.full(2, 1.0)
+    dist.reduce(y, dst=np.int32(0))
+    return [float(x[0]), float(y[0])]
+
+
+def test_ranks_may_be_numpy_integers() -> None:
+    out = run(_numpy_int_ranks_job, 2)
+    assert out == [[1.0, 2.0], [1.0, 1.0]]

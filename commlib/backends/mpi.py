@@ -86,10 +86,11 @@ def _mpi_error(e: MPI.Exception) -> CommError:
 class _Req:
     """A handle over one MPI request."""
 
-    __slots__ = ("req",)
+    __slots__ = ("keep", "req")
 
-    def __init__(self, req: MPI.Request) -> None:
+    def __init__(self, req: MPI.Request, keep: object = None) -> None:
         self.req = req
+        self.keep = keep  # the buffers MPI reads or writes until completion (mpi4py does not hold them all)
 
     def test(self) -> bool:
         try:
@@ -131,8 +132,8 @@ class _Recv(_Req):
 
     __slots__ = ("status",)
 
-    def __init__(self, req: MPI.Request, status: MPI.Status) -> None:
-        super().__init__(req)
+    def __init__(self, req: MPI.Request, status: MPI.Status, keep: object = None) -> None:
+        super().__init__(req, keep)
         self.status = status
 
     def test(self) -> bool:
@@ -186,9 +187,9 @@ class MpiBackend:
         if dtype in LOW_PRECISION:
             scratch = sendbuf.astype(_F32)
             req = self.comm.Iallreduce(MPI.IN_PLACE, [scratch, t], mop)
-            return Chained(_Req(req), functools.partial(self._round, scratch, recvbuf, op))
+            return Chained(_Req(req, scratch), functools.partial(self._round, scratch, recvbuf, op))
         sb = MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
-        req = _Req(self.comm.Iallreduce(sb, [recvbuf, t], mop))
+        req = _Req(self.comm.Iallreduce(sb, [recvbuf, t], mop), (sendbuf, recvbuf))
         if op is ReduceOp.AVG:
             return Chained(req, functools.partial(_average, recvbuf, self.size))
         return req
@@ -226,10 +227,10 @@ class MpiBackend:
         mine = self.rank == root
         if dtype in LOW_PRECISION:
             scratch = sendbuf.astype(_F32)
-            req = _Req(self.comm.Ireduce(MPI.IN_PLACE if mine else [scratch, t], [scratch, t], mop, root))
+            req = _Req(self.comm.Ireduce(MPI.IN_PLACE if mine else [scratch, t], [scratch, t], mop, root), scratch)
             return Chained(req, functools.partial(self._round, scratch, recvbuf, op)) if mine else req
         sb = MPI.IN_PLACE if mine and sendbuf is recvbuf else [sendbuf, t]
-        req = _Req(self.comm.Ireduce(sb, [recvbuf, t], mop, root))
+        req = _Req(self.comm.Ireduce(sb, [recvbuf, t], mop, root), (sendbuf, recvbuf))
         if op is ReduceOp.AVG and mine:
             return Chained(req, functools.partial(_average, recvbuf, self.size))
         return req
@@ -239,9 +240,9 @@ class MpiBackend:
         t, mop = _REDUCTIONS[dtype, op]
         if dtype in LOW_PRECISION:
             send32, recv32 = sendbuf.astype(_F32), np.empty(recvbuf.shape, _F32)
-            req = _Req(self.comm.Ireduce_scatter_block([send32, t], [recv32, t], mop))
+            req = _Req(self.comm.Ireduce_scatter_block([send32, t], [recv32, t], mop), (send32, recv32))
             return Chained(req, functools.partial(self._round, recv32, recvbuf, op))
-        req = _Req(self.comm.Ireduce_scatter_block([sendbuf, t], [recvbuf, t], mop))
+        req = _Req(self.comm.Ireduce_scatter_block([sendbuf, t], [recvbuf, t], mop), (sendbuf, recvbuf))
         if op is ReduceOp.AVG:
             return Chained(req, functools.partial(_average, recvbuf, self.size))
         return req
@@ -253,22 +254,22 @@ class MpiBackend:
 
     # -- data movement ----------------------------------------------------------
     def broadcast(self, buf: np.ndarray, root: int) -> Handle:
-        return _Req(self.comm.Ibcast([buf, _MOVE_TYPE[buf.dtype]], root))
+        return _Req(self.comm.Ibcast([buf, _MOVE_TYPE[buf.dtype]], root), buf)
 
     def all_gather(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray) -> Handle:
         t = _MOVE_TYPE[recvbuf.dtype]
         sb = MPI.IN_PLACE if sendbuf is None else [sendbuf, t]
-        return _Req(self.comm.Iallgather(sb, [recvbuf, t]))
+        return _Req(self.comm.Iallgather(sb, [recvbuf, t]), (sendbuf, recvbuf))
 
     def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> Handle:
         t = _MOVE_TYPE[sendbuf.dtype]
         rb = [recvbuf, t] if recvbuf is not None else None
-        return _Req(self.comm.Igather([sendbuf, t], rb, root))
+        return _Req(self.comm.Igather([sendbuf, t], rb, root), (sendbuf, recvbuf))
 
     def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> Handle:
         t = _MOVE_TYPE[recvbuf.dtype]
         sb = [sendbuf, t] if sendbuf is not None else None
-        return _Req(self.comm.Iscatter(sb, [recvbuf, t], root))
+        return _Req(self.comm.Iscatter(sb, [recvbuf, t], root), (sendbuf, recvbuf))
 
     def all_to_all(
         self, sendbuf: np.ndarray, send_counts: list[int], recvbuf: np.ndarray, recv_counts: list[int]
@@ -278,14 +279,14 @@ class MpiBackend:
         sd, rd = np.cumsum([0, *send_counts[:-1]]), np.cumsum([0, *recv_counts[:-1]])
         spec_s = [sendbuf, (list(send_counts), [int(x) for x in sd]), t]
         spec_r = [recvbuf, (list(recv_counts), [int(x) for x in rd]), t]
-        return _Req(self.comm.Ialltoallv(spec_s, spec_r))
+        return _Req(self.comm.Ialltoallv(spec_s, spec_r), (sendbuf, recvbuf))
 
     def send(self, buf: np.ndarray, peer: int, tag: int) -> Handle:
-        return _Req(self.comm.Isend([buf, _MOVE_TYPE[buf.dtype]], peer, tag))
+        return _Req(self.comm.Isend([buf, _MOVE_TYPE[buf.dtype]], peer, tag), buf)
 
     def recv(self, buf: np.ndarray, peer: int | None, tag: int) -> _Recv:
         src = MPI.ANY_SOURCE if peer is None else peer
-        return _Recv(self.comm.Irecv([buf, _MOVE_TYPE[buf.dtype]], src, tag), MPI.Status())
+        return _Recv(self.comm.Irecv([buf, _MOVE_TYPE[buf.dtype]], src, tag), MPI.Status(), buf)
 
     def group_start(self) -> None:
         """Nonblocking MPI p2p never deadlocks on posting order, so a group needs no bracket."""
