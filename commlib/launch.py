@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import select
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -166,10 +164,7 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         store = _serve_store(args)  # several nodes: node 0 serves the rendezvous store for the job
         monitor = _monitor_env(args, env)
         flight = Path(env["COMMLIB_FLIGHT_DIR"])
-        sys.stdout.flush()
-        proc = subprocess.Popen(build_command(args), env=env, stdout=subprocess.PIPE)
-        relay = _Relay(proc.stdout)
-        relay.start()
+        proc = subprocess.Popen(build_command(args), env=env)
 
         def forward(signum: int, _frame: object) -> None:
             stopped.append(signum)
@@ -178,16 +173,15 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, forward)
         code, failure = _supervise(proc, Path(status), args.nproc_per_node)
-        relay.join(5.0)  # everything the job printed comes before the launcher's verdict
-        failure = _culprit(failure, relay.pid, Path(status), args.nproc_per_node)
         for server in (store, monitor):
             if server is not None:
                 server.stop() if hasattr(server, "stop") else server.close()
     if failure is not None:
         rank, rank_code, why = failure
         where = Path(args.logdir or "log") / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
+        who = "one of the " + why.split(" were", 1)[0] if why.startswith("ranks [") else f"rank {rank}"
         print(
-            f"commlib.launch: rank {rank} failed ({why}); log: {where}; the job was stopped",
+            f"commlib.launch: {who} failed ({why}); log: {where}; the job was stopped",
             file=sys.stderr,
             flush=True,
         )
@@ -339,42 +333,10 @@ def _first_failure(status: Path, n: int, gone: dict[int, float]) -> tuple[int, i
         ranks = sorted(r for r, t in gone.items() if t == first)
         if len(ranks) == 1:
             return ranks[0], 0, "it died without exiting normally, e.g. killed by a signal"
-        return ranks[0], 0, f"ranks {ranks} died at once without exiting normally (one was killed by a signal)"
+        # Seen dead together: hydra SIGKILLs the others the moment one dies, and on a busy machine the
+        # launcher may only wake after that. Say so rather than guess (hydra's own report lists by rank).
+        return ranks[0], 0, f"ranks {ranks} were found dead together; one was killed by a signal, then the others"
     return None
-
-
-class _Relay(threading.Thread):
-    """Copies mpiexec's standard output to ours as it comes, and notes the pid hydra names
-    when a rank dies by a signal ("BAD TERMINATION ... PID n RUNNING AT host"): hydra reaps
-    that rank first and only then kills the others, so it is the culprit."""
-
-    _PID = re.compile(rb"PID (\d+) RUNNING AT")
-
-    def __init__(self, stream) -> None:
-        super().__init__(name="commlib-launch-relay", daemon=True)
-        self.stream, self.pid = stream, None
-
-    def run(self) -> None:
-        fd, out, tail = self.stream.fileno(), sys.stdout.buffer, b""
-        while chunk := os.read(fd, 1 << 16):
-            out.write(chunk)
-            out.flush()
-            found = self._PID.search(tail + chunk)
-            if found and self.pid is None:
-                self.pid = int(found.group(1))
-            tail = chunk[-64:]
-
-
-def _culprit(failure, pid: int | None, status: Path, n: int):
-    """The failing rank, corrected by hydra's own report when a rank died by a signal: exit
-    times seen from outside can tie or come out of order on a busy machine."""
-    if failure is None or pid is None or failure[1] != 0:
-        return failure
-    for rank in range(n):
-        note = status / f"rank{rank}.pid"
-        if note.exists() and note.read_text().strip() == str(pid):
-            return rank, 0, "it died without exiting normally, e.g. killed by a signal"
-    return failure
 
 
 def _kill_workers(status: Path, n: int) -> None:

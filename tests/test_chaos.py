@@ -126,10 +126,10 @@ def test_kill_9_one_rank_mid_all_reduce(tmp_path: Path) -> None:
         proc.kill()
     print(f"\nkill -9: job ended {ended:.2f} s after the kill, exit code {proc.returncode}")
     assert proc.returncode != 0
-    # The launcher names the rank that vanished first. hydra (or MPI, on the broken connection) ends the
-    # others within milliseconds, so which exit it sees first is a race it does not always win: the
-    # message must name a failed rank, but not necessarily rank 2 (see docs/reliability.md).
-    assert "commlib.launch: rank " in err and "without exiting normally" in err, err
+    # The launcher names the rank that vanished first; when hydra SIGKILLed the others before the launcher
+    # woke (a busy machine) it says they were found dead together and lists them all.
+    named = "commlib.launch: rank 2 failed (it died without exiting normally" in err
+    assert named or re.search(r"one of the ranks \[[0-9, ]*2[0-9, ]*\] failed", err), err
     assert ended < 20, ended  # well before the 20 s collective timeout
     assert _no_orphans(script.name) == []
 

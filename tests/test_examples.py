@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -202,8 +203,14 @@ def test_a_failing_worker_stops_the_job(tmp_path: Path, mode: str, bad: int, cod
         timeout=60,
     )
     assert time.monotonic() - start < 10
-    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
-    assert f"commlib.launch: {why}; log: output above; the job was stopped" in proc.stderr, proc.stderr[-2000:]
+    # a rank killed by a signal: mpiexec's status passes through (9 usually; 255 when hydra's own cleanup
+    # hits a closed socket on a busy machine)
+    assert proc.returncode == code or (mode == "kill" and proc.returncode == 255), (proc.returncode, proc.stderr)
+    if mode == "kill" and "were found dead together" in proc.stderr:
+        # hydra SIGKILLed the others before the launcher woke (a busy machine): it says so, listing rank 1
+        assert re.search(r"commlib.launch: one of the ranks \[[0-9, ]*1[0-9, ]*\] failed", proc.stderr), proc.stderr
+    else:
+        assert f"commlib.launch: {why}; log: output above; the job was stopped" in proc.stderr, proc.stderr[-2000:]
     assert _job_processes(str(script)) == []
 
 
