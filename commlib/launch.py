@@ -317,7 +317,7 @@ def _first_failure(status: Path, n: int, gone: dict[int, float]) -> tuple[int, i
     A worker that wrote no note died by a signal; hydra then SIGKILLs the others at
     once, so the culprit is the one that vanished first (``gone`` remembers when).
     """
-    failed = []
+    failed, now = [], time.monotonic()  # one time per scan: ranks found dead in the same scan tie
     for rank in range(n):
         note, pid = status / f"rank{rank}.exit", status / f"rank{rank}.pid"
         if note.exists():
@@ -325,7 +325,7 @@ def _first_failure(status: Path, n: int, gone: dict[int, float]) -> tuple[int, i
             if code != "0":
                 failed.append((note.stat().st_mtime, rank, int(code), f"exit code {code}: {why}"))
         elif pid.exists() and not pid_alive(int(pid.read_text())):
-            gone.setdefault(rank, time.monotonic())
+            gone.setdefault(rank, now)
     if failed:
         return min(failed)[1:]
     if gone:
