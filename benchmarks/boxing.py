@@ -29,7 +29,7 @@ import numpy as np
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=64, help="logical tensor size in MiB")
-    p.add_argument("--repeats", type=int, default=9, help="rounds per method (median reported)")
+    p.add_argument("--repeats", type=int, default=31, help="rounds per method (median reported)")
     return p.parse_args()
 
 
