@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from netns import ip, two_namespaces
 
 ROOT = Path(__file__).resolve().parents[1]
 SLACK = 10.0  # generous: a 2-core VM running 4 ranks can stall for seconds
@@ -241,34 +241,10 @@ def test_store_host_killed_while_clients_wait(tmp_path: Path) -> None:
     assert _no_orphans(marker.name) == [] and _no_orphans(client.name) == []
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def two_nodes():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to create network namespaces")
-    tag = f"{os.getpid() % 100000}"
-    a, b = f"cca{tag}", f"ccb{tag}"
-    try:
-        _ip("netns", "add", a)
-        _ip("netns", "add", b)
-        _ip("link", "add", f"ca{tag}", "type", "veth", "peer", "name", f"cb{tag}")
-    except (subprocess.CalledProcessError, OSError) as e:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {getattr(e, 'stderr', e)!r}")
-    try:
-        for ns, dev, addr in ((a, f"ca{tag}", "10.77.8.1/24"), (b, f"cb{tag}", "10.77.8.2/24")):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", addr, "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield a, b, f"ca{tag}"
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with two_namespaces("cc", 8) as (a, b, dev):
+        yield a, b, dev
 
 
 def test_link_down_between_two_nodes(two_nodes, tmp_path: Path) -> None:
@@ -291,7 +267,7 @@ def test_link_down_between_two_nodes(two_nodes, tmp_path: Path) -> None:
         procs.append(_launch(script, 2, env, prefix=prefix, flags=flags))
     try:
         _wait_progress(script, 3)
-        _ip("-n", a, "link", "set", dev, "down")
+        ip("-n", a, "link", "set", dev, "down")
         down = time.time()
         outs = [p.communicate(timeout=90) for p in procs]
     finally:

@@ -4,12 +4,12 @@ with --nnodes 2, and the job's collectives checked across them (root only; skipp
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from netns import two_namespaces
 
 JOB = """
 import numpy as np, commlib as dist
@@ -26,34 +26,10 @@ print(f"node-job rank {me}/{n} node {dist.env.get_node_size()} sum {x[0]:g} gath
 """
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
-def two_nodes() -> tuple[str, str]:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to create network namespaces")
-    tag = f"{os.getpid() % 100000}"
-    a, b = f"cla{tag}", f"clb{tag}"
-    try:
-        _ip("netns", "add", a)
-        _ip("netns", "add", b)
-        _ip("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
-    except (subprocess.CalledProcessError, OSError) as e:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {getattr(e, 'stderr', e)!r}")
-    try:
-        for ns, dev, addr in ((a, f"va{tag}", "10.77.7.1/24"), (b, f"vb{tag}", "10.77.7.2/24")):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", addr, "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+def two_nodes():
+    with two_namespaces("cl", 7) as (a, b, _):
         yield a, b
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _run_two_nodes(script: Path, master: str, port: int, prefixes: list[list[str]], env: dict) -> list[str]:

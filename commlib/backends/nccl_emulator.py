@@ -211,10 +211,11 @@ class NcclCommunicator:
             return "<NcclCommunicator (NCCL EMULATOR, not initialised)>"
         return f"<NcclCommunicator (NCCL EMULATOR) rank {core.rank}/{core.size} id {core.comm_id:#018x} {core.state}>"
 
-    def __del__(self) -> None:
+    # Bound as defaults: at interpreter exit module globals (sys, contextlib) may already be None.
+    def __del__(self, _finalizing=sys.is_finalizing, _suppress=contextlib.suppress) -> None:
         core = getattr(self, "_core", None)
-        if core is not None and not sys.is_finalizing():  # at exit the process's sockets close anyway
-            with contextlib.suppress(Exception):
+        if core is not None and not _finalizing():  # at exit the process's sockets close anyway
+            with _suppress(Exception):
                 core.release()  # like cupy's __dealloc__ -> destroy, but never blocking the garbage collector
 
     @property
