@@ -186,7 +186,12 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
             flush=True,
         )
         _print_flight_summary(flight, args, started_ns)
-        return rank_code or code or 1
+        return rank_code or _status(code) or 1
+    return _status(code)
+
+
+def _status(code: int) -> int:
+    """A process status as a shell exit code: 128 + N for death by signal N."""
     return 128 - code if code < 0 else code
 
 
