@@ -218,7 +218,12 @@ def _verdict(stuck: dict[int, dict[str, Any]], last: dict[int, dict[str, Any]]) 
         return []
     first = min(stuck.values(), key=lambda e: (e["seq"], e["start_ns"]))
     group, seq = first["group"], first["seq"]
-    waiting = sorted(r for r, e in stuck.items() if e["group"] == group and e["seq"] == seq)
+    at = {r: e for r, e in stuck.items() if e["group"] == group and e["seq"] == seq}
+    calls = sorted({e["op"] for e in at.values()})
+    if len(calls) > 1:  # the same call number, different calls: a mismatched program
+        each = "; ".join(f"ranks {sorted(r for r, e in at.items() if e['op'] == op)} in {op}" for op in calls)
+        return [f"mismatched calls at #{seq} on group {group!r}: {each}"]
+    waiting = sorted(at)
     behind = [r for r, e in last.items() if r not in stuck and e["group"] == group and e["seq"] < seq]
     behind = sorted(behind + [r for r, e in stuck.items() if e["group"] == group and e["seq"] < seq])
     ahead = sorted(r for r, e in last.items() if r not in stuck and e["group"] == group and e["seq"] >= seq)

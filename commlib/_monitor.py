@@ -192,18 +192,23 @@ def arrival(g: Any, call: str, seq: int, timeout: float) -> str:
         time.sleep(0.05)
     if seen is None:
         return f"; which ranks arrived is unknown: {_state.dead}"
-    arrived, missing, notes = [g.ranks[g.rank]], [], []
+    arrived, missing, other, notes = [g.ranks[g.rank]], [], [], []
     for p, s in seen.items():
         rank = g.ranks[p]
         if s is None or s[0] < seq:
             missing.append(rank)
             seen_at = "never reported waiting" if s is None else f"was last seen waiting in {s[1]} #{s[0]}"
             notes.append(f"rank {rank} {seen_at}")
+        elif s[0] == seq and s[1] != call:  # the same call number, another call: a mismatched program
+            other.append(rank)
+            notes.append(f"rank {rank} is in {s[1]} #{s[0]}")
         else:
             arrived.append(rank)
-            if s[0] > seq or s[1] != call:
+            if s[0] > seq:
                 notes.append(f"rank {rank} is in {s[1]} #{s[0]}")
     text = f"; arrived: ranks {sorted(arrived)}; not arrived: ranks {missing}"
+    if other:
+        text += f"; in a different call (mismatched program?): ranks {other}"
     return text + (f" ({'; '.join(notes)})" if notes else "")
 
 

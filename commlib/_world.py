@@ -126,6 +126,8 @@ def _make_world(
             f"`mpiexec -n {expected} python script.py` or "
             f"`python -m commlib.launch --nproc_per_node {expected} script.py`"
         )
+    if name == "mpi":
+        backend.separate_kinds(timeout)  # mismatched kinds of call wait (and time out) instead of pairing up
     _watch(backend, timeout)
     if name == "nccl":
         backend = _nccl_world(backend, info, timeout)

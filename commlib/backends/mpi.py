@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -162,6 +163,10 @@ def _reduction(dtype: np.dtype, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
 _REDUCTIONS = {(d, op): _reduction(d, op) for d in _MOVE_TYPE for op in ReduceOp}
 
 
+# The collectives that get a communicator of their own (all_reduce keeps the base one): see separate_kinds.
+_KINDS = ("reduce", "reduce_scatter", "broadcast", "all_gather", "gather", "scatter", "all_to_all", "barrier")
+
+
 class MpiBackend:
     """Moves host buffers between the ranks of one MPI communicator."""
 
@@ -177,6 +182,31 @@ class MpiBackend:
         # compositions (the code path backends without native calls use), for testing them.
         self.native_composites = os.environ.get("COMMLIB_MPI_COMPOSED") != "1"
         self._abandoned: list[tuple[MPI.Request, np.ndarray]] = []
+        # Every kind of collective on the base communicator until separate_kinds() gives each its own.
+        self._dups: list[MPI.Comm] = []
+        for kind in _KINDS:
+            setattr(self, f"{kind}_comm", comm)
+
+    def separate_kinds(self, timeout: float) -> None:
+        """Give each kind of collective its own duplicate of the communicator (same ranks).
+
+        MPI matches collectives by their order on a communicator, whatever their kind: a
+        rank in all_gather while the others are in all_reduce would be paired with them and
+        return garbage. On separate communicators such calls never match: every rank waits,
+        and times out naming its own call (``COMMLIB_DEBUG=DETAIL`` lists them all at once).
+        all_reduce and point-to-point keep the base communicator. Collective over it; no
+        cost per call. ``COMMLIB_MPI_SEPARATE_KINDS=0`` turns it off.
+        """
+        if self.size == 1 or self._dups or os.environ.get("COMMLIB_MPI_SEPARATE_KINDS", "1") == "0":
+            return
+        pending = [self.comm.Idup() for _ in _KINDS]
+        deadline = time.monotonic() + timeout
+        for _, req in pending:
+            if not _Req(req).wait(max(deadline - time.monotonic(), 0.0)):
+                raise CommTimeoutError(f"not every rank set up the communicator within {timeout:g} s")
+        self._dups = [comm for comm, _ in pending]
+        for kind, comm in zip(_KINDS, self._dups, strict=True):
+            setattr(self, f"{kind}_comm", comm)
 
     # -- reductions -------------------------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Handle:
@@ -227,10 +257,11 @@ class MpiBackend:
         mine = self.rank == root
         if dtype in LOW_PRECISION:
             scratch = sendbuf.astype(_F32)
-            req = _Req(self.comm.Ireduce(MPI.IN_PLACE if mine else [scratch, t], [scratch, t], mop, root), scratch)
+            sb = MPI.IN_PLACE if mine else [scratch, t]
+            req = _Req(self.reduce_comm.Ireduce(sb, [scratch, t], mop, root), scratch)
             return Chained(req, functools.partial(self._round, scratch, recvbuf, op)) if mine else req
         sb = MPI.IN_PLACE if mine and sendbuf is recvbuf else [sendbuf, t]
-        req = _Req(self.comm.Ireduce(sb, [recvbuf, t], mop, root), (sendbuf, recvbuf))
+        req = _Req(self.reduce_comm.Ireduce(sb, [recvbuf, t], mop, root), (sendbuf, recvbuf))
         if op is ReduceOp.AVG and mine:
             return Chained(req, functools.partial(_average, recvbuf, self.size))
         return req
@@ -240,9 +271,9 @@ class MpiBackend:
         t, mop = _REDUCTIONS[dtype, op]
         if dtype in LOW_PRECISION:
             send32, recv32 = sendbuf.astype(_F32), np.empty(recvbuf.shape, _F32)
-            req = _Req(self.comm.Ireduce_scatter_block([send32, t], [recv32, t], mop), (send32, recv32))
+            req = _Req(self.reduce_scatter_comm.Ireduce_scatter_block([send32, t], [recv32, t], mop), (send32, recv32))
             return Chained(req, functools.partial(self._round, recv32, recvbuf, op))
-        req = _Req(self.comm.Ireduce_scatter_block([sendbuf, t], [recvbuf, t], mop), (sendbuf, recvbuf))
+        req = _Req(self.reduce_scatter_comm.Ireduce_scatter_block([sendbuf, t], [recvbuf, t], mop), (sendbuf, recvbuf))
         if op is ReduceOp.AVG:
             return Chained(req, functools.partial(_average, recvbuf, self.size))
         return req
@@ -254,22 +285,22 @@ class MpiBackend:
 
     # -- data movement ----------------------------------------------------------
     def broadcast(self, buf: np.ndarray, root: int) -> Handle:
-        return _Req(self.comm.Ibcast([buf, _MOVE_TYPE[buf.dtype]], root), buf)
+        return _Req(self.broadcast_comm.Ibcast([buf, _MOVE_TYPE[buf.dtype]], root), buf)
 
     def all_gather(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray) -> Handle:
         t = _MOVE_TYPE[recvbuf.dtype]
         sb = MPI.IN_PLACE if sendbuf is None else [sendbuf, t]
-        return _Req(self.comm.Iallgather(sb, [recvbuf, t]), (sendbuf, recvbuf))
+        return _Req(self.all_gather_comm.Iallgather(sb, [recvbuf, t]), (sendbuf, recvbuf))
 
     def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> Handle:
         t = _MOVE_TYPE[sendbuf.dtype]
         rb = [recvbuf, t] if recvbuf is not None else None
-        return _Req(self.comm.Igather([sendbuf, t], rb, root), (sendbuf, recvbuf))
+        return _Req(self.gather_comm.Igather([sendbuf, t], rb, root), (sendbuf, recvbuf))
 
     def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> Handle:
         t = _MOVE_TYPE[recvbuf.dtype]
         sb = [sendbuf, t] if sendbuf is not None else None
-        return _Req(self.comm.Iscatter(sb, [recvbuf, t], root), (sendbuf, recvbuf))
+        return _Req(self.scatter_comm.Iscatter(sb, [recvbuf, t], root), (sendbuf, recvbuf))
 
     def all_to_all(
         self, sendbuf: np.ndarray, send_counts: list[int], recvbuf: np.ndarray, recv_counts: list[int]
@@ -279,7 +310,7 @@ class MpiBackend:
         sd, rd = np.cumsum([0, *send_counts[:-1]]), np.cumsum([0, *recv_counts[:-1]])
         spec_s = [sendbuf, (list(send_counts), [int(x) for x in sd]), t]
         spec_r = [recvbuf, (list(recv_counts), [int(x) for x in rd]), t]
-        return _Req(self.comm.Ialltoallv(spec_s, spec_r), (sendbuf, recvbuf))
+        return _Req(self.all_to_all_comm.Ialltoallv(spec_s, spec_r), (sendbuf, recvbuf))
 
     def send(self, buf: np.ndarray, peer: int, tag: int) -> Handle:
         return _Req(self.comm.Isend([buf, _MOVE_TYPE[buf.dtype]], peer, tag), buf)
@@ -295,7 +326,7 @@ class MpiBackend:
         """See :meth:`group_start`."""
 
     def barrier(self) -> Handle:
-        return _Req(self.comm.Ibarrier()) if self.size > 1 else DONE
+        return _Req(self.barrier_comm.Ibarrier()) if self.size > 1 else DONE
 
     # -- communicators ----------------------------------------------------------
     def split(self, ranks: list[int], timeout: float) -> MpiBackend | None:
@@ -305,13 +336,21 @@ class MpiBackend:
             raise CommTimeoutError(f"new_group: not every rank called new_group within {timeout:.1f} s")
         member = self.rank in ranks
         sub = self.comm.Split(0 if member else MPI.UNDEFINED, ranks.index(self.rank) if member else 0)
-        return MpiBackend(sub) if member else None
+        if not member:
+            return None
+        backend = MpiBackend(sub)
+        backend.separate_kinds(timeout)
+        return backend
 
     def abort(self) -> None:
         """MPI cannot abort one communicator without killing the job; the group layer fences it off."""
 
     def close(self) -> None:
-        """Free the communicator (not the world)."""
+        """Free the communicator (not the world) and the per-kind duplicates."""
+        for comm in self._dups:
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+        self._dups = []
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
