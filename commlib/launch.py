@@ -304,6 +304,8 @@ class _Exits:
                     self.fds[rank] = os.pidfd_open(int(pid.read_text()))
                 except (OSError, AttributeError, ValueError):
                     self.fds[rank] = None  # already gone, or no pidfd here: _first_failure polls the pid
+        if len(self.fds) < self.n:
+            timeout = min(timeout, 0.005)  # open every pidfd quickly: a rank that dies before is timed by polling
         ready, _, _ = select.select([fd for fd in self.fds.values() if fd is not None], [], [], timeout)
         now = time.monotonic()
         for rank, fd in self.fds.items():
