@@ -206,9 +206,12 @@ def test_a_failing_worker_stops_the_job(tmp_path: Path, mode: str, bad: int, cod
     # a rank killed by a signal: mpiexec's status passes through (9 usually; 255 when hydra's own cleanup
     # hits a closed socket on a busy machine)
     assert proc.returncode == code or (mode == "kill" and proc.returncode == 255), (proc.returncode, proc.stderr)
-    if mode == "kill" and "were found dead together" in proc.stderr:
-        # hydra SIGKILLed the others before the launcher woke (a busy machine): it says so, listing rank 1
-        assert re.search(r"commlib.launch: one of the ranks \[[0-9, ]*1[0-9, ]*\] failed", proc.stderr), proc.stderr
+    if mode == "kill":
+        # The launcher names the rank whose process ended first. On a busy machine a peer whose MPI aborted
+        # because rank 1 vanished can end before rank 1's own exit completes: then that rank, or all the
+        # ranks found dead together, are named (docs/reliability.md). The wording and the stop must hold.
+        assert re.search(r"commlib.launch: (rank \d|one of the ranks \[[\d, ]+\]) failed \(", proc.stderr), proc.stderr
+        assert "without exiting normally" in proc.stderr or "found dead together" in proc.stderr, proc.stderr
     else:
         assert f"commlib.launch: {why}; log: output above; the job was stopped" in proc.stderr, proc.stderr[-2000:]
     assert _job_processes(str(script)) == []
