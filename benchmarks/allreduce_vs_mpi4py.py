@@ -53,7 +53,7 @@ def _round(fn, iters: int, barrier) -> float:
 def main() -> None:
     args = _parse()
     if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
-        from commlib._mpiexec import find_mpiexec
+        from commlib.launch._mpiexec import find_mpiexec
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
         code = subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env)

@@ -43,7 +43,7 @@ def _time(fn, barrier) -> float:
 def main() -> None:
     args = _parse()
     if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
-        from commlib._mpiexec import find_mpiexec
+        from commlib.launch._mpiexec import find_mpiexec
 
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         raise SystemExit(subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env))

@@ -237,7 +237,7 @@ def _free_port() -> int:
 
 def _job(kind: str, argv: list[str], out: str) -> list[dict]:
     """Run one 2-rank job of this script and return its cells."""
-    from commlib._mpiexec import find_mpiexec
+    from commlib.launch._mpiexec import find_mpiexec
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
     env["COMMLIB_NCCL_EMULATOR"] = "1" if kind == "emulator" else "0"

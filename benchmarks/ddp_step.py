@@ -68,7 +68,7 @@ def main() -> None:
     """Start the ranks (when run directly), then time the three methods and print the table."""
     args = _parse()
     if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
-        from commlib._mpiexec import find_mpiexec
+        from commlib.launch._mpiexec import find_mpiexec
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"}
         raise SystemExit(subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env))

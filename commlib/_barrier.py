@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from commlib._debug import check as check_call
-from commlib._flight import ring
+from commlib._diagnostics.debug import check as check_call
+from commlib._diagnostics.flight import ring
 from commlib._group import ProcessGroup, Work, as_seconds
 from commlib._world import resolve
 from commlib.backends._base import poll

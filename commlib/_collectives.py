@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from commlib._arrays import DTYPES, address, check_op, same_kind
-from commlib._debug import check as check_call
-from commlib._flight import now as _now
-from commlib._flight import ring as _ring
+from commlib._diagnostics.debug import check as check_call
+from commlib._diagnostics.flight import now as _now
+from commlib._diagnostics.flight import ring as _ring
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
 from commlib._world import _state as _world

@@ -14,7 +14,7 @@ import numpy as np
 
 from commlib._arrays import same_kind
 from commlib._collectives import check_list, root_rank
-from commlib._debug import check as check_call
+from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._world import resolve
 from commlib.backends._base import AllOf, Chained, Handle

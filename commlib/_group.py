@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from commlib import _debug, _flight
 from commlib._arrays import host_array
+from commlib._diagnostics import debug as _debug
+from commlib._diagnostics import flight as _flight
 from commlib.errors import CommError, CommTimeoutError, GroupBrokenError
 
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
@@ -69,7 +70,7 @@ class ProcessGroup:
         self.host = getattr(backend, "host", True)
         self.check_reduction = getattr(backend, "check_reduction", None)  # backend-specific (dtype, op) limits
         # COMMLIB_DEBUG=DETAIL: every collective first checks that all ranks make the same call
-        # (commlib._debug); the fused all_reduce path is then skipped, so its hot path has no check.
+        # (commlib._diagnostics.debug); the fused all_reduce path is then skipped, so its hot path has no check.
         self.detail = _debug.detail()
         if self.detail:
             self.all_reduce_wait = None
@@ -137,7 +138,7 @@ class ProcessGroup:
 
     def fail_timeout(self, call: str, seq: int, timeout: float) -> None:
         """Mark the group broken and raise the ``CommTimeoutError`` that says what was waited for."""
-        from commlib import _monitor
+        from commlib._diagnostics import monitor as _monitor
 
         arrived = _monitor.arrival(self, call, seq, timeout)
         dumped = _flight.dump(f"timeout in {call} #{seq} on group {self.name!r}")

@@ -14,7 +14,7 @@ import numpy as np
 
 from commlib._collectives import root_rank
 from commlib._composed import gather_handle, scatter_handle
-from commlib._debug import check as check_call
+from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup
 from commlib._world import resolve
 

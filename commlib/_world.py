@@ -138,7 +138,8 @@ def _make_world(
 
 def _watch(backend: Any, timeout: float) -> None:
     """Start the job monitor and the flight recorder's SIGUSR1 dump; report uncaught exceptions before MPI_Abort."""
-    from commlib import _flight, _monitor
+    from commlib._diagnostics import flight as _flight
+    from commlib._diagnostics import monitor as _monitor
     from commlib.backends import mpi
 
     _monitor.setup(backend, timeout)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from commlib._mpiexec import find_mpiexec
+from commlib.launch._mpiexec import find_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torch_distributed_eval.py"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from reference import BACKENDS
 
-from commlib._mpiexec import find_mpiexec
+from commlib.launch._mpiexec import find_mpiexec
 from commlib.testing import run
 
 EMU = BACKENDS["nccl"]

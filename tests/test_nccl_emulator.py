@@ -602,7 +602,7 @@ def test_plain_processes_exchanging_the_id_through_a_file(tmp_path: Path, addres
 
 @pytest.mark.timeout(120)
 def test_the_root_address(monkeypatch: pytest.MonkeyPatch) -> None:
-    from commlib.backends._emulator_wire import decode_id
+    from commlib.backends.nccl_emulator._wire import decode_id
 
     monkeypatch.delenv("COMMLIB_NCCL_EMULATOR_ADDR", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "localhost")

@@ -196,7 +196,7 @@ class _Group:
 
 
 def test_flight_ring_states_and_wraparound() -> None:
-    from commlib._flight import Ring
+    from commlib._diagnostics.flight import Ring
 
     ring, g = Ring(4), _Group("world")
     slots = [ring.start(g, "all_reduce", np.dtype(np.float32), 4, seq) for seq in range(1, 7)]
@@ -210,7 +210,7 @@ def test_flight_ring_states_and_wraparound() -> None:
 
 
 def test_flight_summary_names_the_stuck_and_the_missing(tmp_path: Path) -> None:
-    from commlib._flight import summarize
+    from commlib._diagnostics.flight import summarize
 
     def entry(seq: int, state: str) -> dict:
         return {"group": "world", "op": "all_reduce", "seq": seq, "state": state, "start_ns": seq * 10**9}

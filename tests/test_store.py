@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from commlib._store_wire import HEADER, MAGIC, VERSION, Op, Status, encode, pack_int
 from commlib.errors import CommError, CommTimeoutError
 from commlib.store import FileStore, PrefixStore, Store, StoreTokenError, TCPStore
+from commlib.store._wire import HEADER, MAGIC, VERSION, Op, Status, encode, pack_int
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from commlib._mpiexec import find_mpiexec, mpiexec_command
+from commlib.launch._mpiexec import find_mpiexec, mpiexec_command
 from commlib.testing import RankFailure, run, world_sizes
 
 

@@ -208,7 +208,7 @@ def _in_job() -> bool:
 
 def _launch(ns: argparse.Namespace, argv: Sequence[str]) -> int:
     """Start ``--nproc`` ranks of this command under the MPICH wheel's mpiexec and wait for them."""
-    from commlib._mpiexec import die_with_parent, kill_group_or_process, mpiexec_command, process_tree
+    from commlib.launch._mpiexec import die_with_parent, kill_group_or_process, mpiexec_command, process_tree
 
     n = ns.nproc or _DEFAULT_NPROC
     if ns.root >= n:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from commlib._mpiexec import (
+from commlib.launch._mpiexec import (
     die_with_parent,
     kill_group_or_process,
     mpiexec_command,

@@ -17,7 +17,7 @@ from typing import Protocol
 import ml_dtypes
 import numpy as np
 
-from ._emulator_link import COLL, P2P, Key
+from ._link import COLL, P2P, Key
 
 __all__ = [
     "DTYPES",

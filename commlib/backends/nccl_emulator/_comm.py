@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
-from ._emulator_errors import INTERNAL_ERROR, INVALID_ARGUMENT, INVALID_USAGE, NcclError
-from ._emulator_link import Key, Link, Mailbox
-from ._emulator_ops import AllGather, Op
-from ._emulator_streams import Stream
-from ._emulator_wire import connect_mesh, open_listener
+from ._errors import INTERNAL_ERROR, INVALID_ARGUMENT, INVALID_USAGE, NcclError
+from ._link import Key, Link, Mailbox
+from ._ops import AllGather, Op
+from ._streams import Stream
+from ._wire import connect_mesh, open_listener
 
 __all__ = ["CommCore", "group_end", "group_start", "submit"]
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
-from commlib._store_base import DEFAULT_TIMEOUT, Store, as_bytes, as_key, as_keys, as_seconds
 from commlib.errors import CommError, CommTimeoutError
+from commlib.store._base import DEFAULT_TIMEOUT, Store, as_bytes, as_key, as_keys, as_seconds
 
 __all__ = ["FileStore"]
 

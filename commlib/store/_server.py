@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from commlib._store_wire import (
+from commlib.store._wire import (
     FIELD,
     HEADER,
     MAX_TIMEOUT_MS,

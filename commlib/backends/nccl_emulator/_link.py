@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ._emulator_errors import INVALID_USAGE, REMOTE_ERROR, NcclError
+from ._errors import INVALID_USAGE, REMOTE_ERROR, NcclError
 
 __all__ = ["BYE", "COLL", "P2P", "Key", "Link", "Mailbox"]
 

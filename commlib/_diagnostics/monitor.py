@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib import _flight
+from commlib._diagnostics import flight as _flight
 from commlib.errors import CommError, GroupBrokenError
 
 __all__ = ["arrival", "report_uncaught", "setup", "watchdog"]
@@ -94,8 +94,8 @@ def _serve_and_share(backend: Any, timeout: float) -> str:
 
 
 def _serve() -> str:
-    from commlib._store_server import StoreServer
-    from commlib._store_wire import Limits
+    from commlib.store._server import StoreServer
+    from commlib.store._wire import Limits
 
     token = secrets.token_hex(16)
     _state.server = StoreServer("0.0.0.0", 0, token.encode(), Limits(), None)

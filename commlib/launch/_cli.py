@@ -1,20 +1,4 @@
-"""``python -m commlib.launch``: start one worker per rank on this machine (OneFlow's launcher flags).
-
-    python -m commlib.launch --nproc_per_node 2 train.py --lr 0.1
-    python -m commlib.launch --nproc_per_node 2 -m commlib.demo
-
-Workers are started under the MPICH wheel's ``mpiexec`` (so the mpi backend
-works) with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
-MASTER_ADDR and MASTER_PORT set for each; output lines are prefixed with the
-rank, or written per rank under ``--logdir``. The launcher exits with the job's
-exit code; Ctrl-C or SIGTERM stops every worker, and when one worker fails the
-others are stopped and the failed rank is named.
-
-Several nodes: run the launcher on each with ``--nnodes N --node_rank i
---master_addr <node 0's address> --master_port P``; node 0's launcher serves a
-rendezvous store there and the nodes' ranks join into one job. Set the same
-``COMMLIB_STORE_TOKEN`` on every node to make the store refuse strangers.
-"""
+"""The launcher's command line and its job: parse the flags, build the mpiexec command, run and restart."""
 
 from __future__ import annotations
 
@@ -29,7 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlib._mpiexec import find_mpiexec, kill_group_or_process, pid_alive, send_signal
+from commlib.launch._mpiexec import find_mpiexec, kill_group_or_process, pid_alive, send_signal
 
 __all__ = ["build_command", "main", "parse_args"]
 
@@ -62,7 +46,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the launcher's command line (OneFlow's flags, plus torchrun's --standalone)."""
     p = argparse.ArgumentParser(
         prog="python -m commlib.launch",
-        description=__doc__.split("\n\n")[0],
+        description="Start one worker per rank on this machine (OneFlow's launcher flags).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes; start the launcher once on each")
@@ -103,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _program(args: argparse.Namespace) -> list[str]:
     if args.no_python:
         return [args.training_script, *args.training_script_args]
-    boot = [sys.executable, "-m", "commlib._bootstrap"]
+    boot = [sys.executable, "-m", "commlib.launch._bootstrap"]
     if args.module:
         return [*boot, "-m", args.training_script, *args.training_script_args]
     return [*boot, args.training_script, *args.training_script_args]
@@ -211,8 +195,8 @@ def _monitor_env(args: argparse.Namespace, env: dict[str, str]) -> object | None
         env["COMMLIB_MONITOR_STORE"] = f"{args.master_addr}:{args.master_port}"
         env["COMMLIB_MONITOR_TOKEN"] = os.environ.get("COMMLIB_STORE_TOKEN", "")
         return None
-    from commlib._store_server import StoreServer
-    from commlib._store_wire import Limits
+    from commlib.store._server import StoreServer
+    from commlib.store._wire import Limits
 
     token = secrets.token_hex(16)
     try:
@@ -225,7 +209,7 @@ def _monitor_env(args: argparse.Namespace, env: dict[str, str]) -> object | None
 
 
 def _print_flight_summary(folder: Path, args: argparse.Namespace, since_ns: int) -> None:
-    from commlib._flight import summarize
+    from commlib._diagnostics.flight import summarize
 
     fresh = [p for p in folder.glob("rank*.json") if p.stat().st_mtime_ns >= since_ns] if folder.is_dir() else []
     if not fresh:
@@ -351,7 +335,3 @@ def _kill_workers(status: Path, n: int) -> None:
         pid = status / f"rank{rank}.pid"
         if pid.exists() and pid_alive(int(pid.read_text())):
             kill_group_or_process(int(pid.read_text()))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ._emulator_errors import INVALID_ARGUMENT, INVALID_USAGE, SYSTEM_ERROR, NcclError
+from ._errors import INVALID_ARGUMENT, INVALID_USAGE, SYSTEM_ERROR, NcclError
 
 __all__ = ["ID_BYTES", "Endpoint", "bootstrap", "connect_mesh", "decode_id", "new_unique_id", "open_listener"]
 

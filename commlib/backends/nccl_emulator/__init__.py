@@ -32,9 +32,9 @@ import time
 
 import numpy as np
 
-from ._emulator_comm import CommCore, group_end, group_start, split, submit
-from ._emulator_errors import INVALID_ARGUMENT, NcclError, check_status, op_timeout
-from ._emulator_ops import (
+from ._comm import CommCore, group_end, group_start, split, submit
+from ._errors import INVALID_ARGUMENT, NcclError, check_status, op_timeout
+from ._ops import (
     DTYPES,
     REDOPS,
     AllGather,
@@ -47,8 +47,8 @@ from ._emulator_ops import (
     Send,
     host_array,
 )
-from ._emulator_streams import Stream, cuda, resolve_stream
-from ._emulator_wire import bootstrap, connect_mesh, new_unique_id, open_listener
+from ._streams import Stream, cuda, resolve_stream
+from ._wire import bootstrap, connect_mesh, new_unique_id, open_listener
 
 __all__ = [
     "EMULATED",

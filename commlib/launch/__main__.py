@@ -1,0 +1,5 @@
+"""``python -m commlib.launch``."""
+
+from commlib.launch import main
+
+raise SystemExit(main())
