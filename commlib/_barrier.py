@@ -18,14 +18,14 @@ def barrier(
     group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None, timeout: Any = None
 ) -> Work | None:
     """Wait until every rank of the group has called barrier (``timeout`` overrides the group's)."""
-    g = resolve(group, "barrier")
+    g, _ = resolve(group, "barrier")
     seconds = None if timeout is None else as_seconds(timeout, f"{g.label}barrier")  # checked before posting
     if g.detail:
         check_call(g, "barrier")
-    handle = g.backend.barrier()
-    if seconds is None or async_op:
-        return g.submit(handle, "barrier", async_op)
-    g.run("barrier", None, 0, seconds, handle.wait)
+    fused = g.fused.get("barrier") if g.host and not async_op else None
+    if fused is None and (async_op or seconds is None):
+        return g.issue("barrier", "barrier", (), async_op)
+    g.run("barrier", None, 0, g.timeout if seconds is None else seconds, fused or g.backend.barrier().wait)
     return None
 
 
@@ -38,7 +38,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     nothing extra here).
     """
     call = "monitored_barrier"
-    g = resolve(group, call)
+    g, b = resolve(group, call)
     seconds = g.timeout if timeout is None else as_seconds(timeout, f"{g.label}{call}")
     if g.detail:
         check_call(g, call)
@@ -46,7 +46,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     if g.size == 1:
         return
     try:
-        g.backend.rendezvous(list(range(g.size)), seconds, what=call)
+        b.rendezvous(list(range(g.size)), seconds, what=call)
     except MeetingTimeout as e:
         if e.missing is None:
             what = (

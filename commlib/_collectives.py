@@ -12,7 +12,6 @@ from commlib._ops import ReduceOp, as_reduce_op
 from commlib._world import _state as _world
 from commlib._world import resolve
 from commlib.arrays import DTYPES, address, op_error, same_kind
-from commlib.backends.base import Chained
 
 __all__ = [
     "all_gather",
@@ -26,6 +25,7 @@ __all__ = [
     "reduce_scatter_tensor",
     "root_rank",
     "check_list",
+    "pair",
     "unpack",
 ]
 
@@ -100,24 +100,18 @@ def all_reduce(
     # this function's own overhead is most of a small all_reduce's latency.
     g = _world.world if group is None else group
     if g is None or type(g) is not ProcessGroup or g.broken is not None or g.backend is None:
-        g = resolve(group, "all_reduce")
+        g, _ = resolve(group, "all_reduce")
     a = tensor
-    if (
-        type(a) is not np.ndarray
-        or not g.host
-        or not (f := a.flags).writeable
-        or not f.c_contiguous
-        or a.dtype not in DTYPES
-    ):
+    if type(a) is not np.ndarray or not g.host or not (a.flags.carray and a.dtype in DTYPES):
         a = g.buffer(tensor, g, "all_reduce", "tensor")
     # SUM is defined for every dtype on mpi: skip the op check on the hot path there
     if op is not _SUM or g.limits is not None:
         op = _op(op, a.dtype, g, "all_reduce")
-    if async_op or g.fast_all_reduce is None:
-        if g.detail:
-            check_call(g, "all_reduce", a, op)
-        return g.submit(g.backend.all_reduce(a, a, op), "all_reduce", async_op, a.dtype, a.size)
-    g.run("all_reduce", a.dtype, a.size, g.timeout, g.fast_all_reduce, a, op)  # the backend's fused post-and-wait
+    if g.detail:
+        check_call(g, "all_reduce", a, op)
+    if async_op or (fused := g.fused_all_reduce) is None or not g.host:
+        return g.issue("all_reduce", "all_reduce", (a, a, op), async_op, a.dtype, a.size)
+    g.run("all_reduce", a.dtype, a.size, g.timeout, fused, a, a, op)  # issue(), inlined
     return None
 
 
@@ -129,12 +123,12 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
-    g = resolve(group, "broadcast")
+    g, _ = resolve(group, "broadcast")
     a = g.buffer(tensor, g, "broadcast", "tensor")
     root = root_rank(g, "broadcast", src, group_src, "src")
     if g.detail:
         check_call(g, "broadcast", a, root=root)
-    return g.submit(g.backend.broadcast(a, root), "broadcast", async_op, a.dtype, a.size)
+    return g.issue("broadcast", "broadcast", (a, root), async_op, a.dtype, a.size)
 
 
 def reduce(
@@ -146,13 +140,21 @@ def reduce(
     group_dst: int | None = None,
 ) -> Work | None:
     """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
-    g = resolve(group, "reduce")
+    g, _ = resolve(group, "reduce")
     a = g.buffer(tensor, g, "reduce", "tensor")
     op = _op(op, a.dtype, g, "reduce")
     root = root_rank(g, "reduce", dst, group_dst, "dst")
     if g.detail:
         check_call(g, "reduce", a, op, root)
-    return g.submit(g.backend.reduce(a, a, op, root), "reduce", async_op, a.dtype, a.size)
+    return g.issue("reduce", "reduce", (a, a, op, root), async_op, a.dtype, a.size)
+
+
+def pair(g: ProcessGroup, call: str, output: Any, out_arg: str, input: Any, in_arg: str) -> tuple[Any, Any]:
+    """An (output, input) pair of buffers of the same dtype; the input may be read-only."""
+    out = g.buffer(output, g, call, out_arg)
+    inp = g.buffer(input, g, call, in_arg, writable=False)
+    same_kind(out, inp, g, call, out_arg, in_arg)
+    return out, inp
 
 
 def all_gather_into_tensor(
@@ -160,17 +162,15 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
     call = "all_gather_into_tensor"
-    g = resolve(group, call)
-    out = g.buffer(output_tensor, g, call, "output_tensor")
-    inp = g.buffer(input_tensor, g, call, "input_tensor", writable=False)
-    same_kind(out, inp, g, call, "output_tensor", "input_tensor")
+    g, _ = resolve(group, call)
+    out, inp = pair(g, call, output_tensor, "output_tensor", input_tensor, "input_tensor")
     _check_count(g, call, "output_tensor", out, g.size, inp.size)
     if g.detail:
         check_call(g, call, inp)
     send: np.ndarray | None = inp
     if g.xp.may_share_memory(out, inp):
         send = None if _is_chunk(inp, out, g.rank) else inp.copy()
-    return g.submit(g.backend.all_gather(send, out), call, async_op, inp.dtype, inp.size)
+    return g.issue(call, "all_gather", (send, out), async_op, inp.dtype, inp.size)
 
 
 def all_gather(
@@ -178,14 +178,13 @@ def all_gather(
 ) -> Work | None:
     """Gather every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
     call = "all_gather"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     inp = g.buffer(tensor, g, call, "tensor", writable=False)
     outs = check_list(g, call, "tensor_list", tensor_list, inp, writable=True, count=inp.size)
     if g.detail:
         check_call(g, call, inp)
     flat = g.xp.empty(g.size * inp.size, inp.dtype)
-    handle = g.backend.all_gather(inp, flat)
-    return g.submit(Chained(handle, lambda: unpack(flat, outs)), call, async_op, inp.dtype, inp.size)
+    return g.issue(call, "all_gather", (inp, flat), async_op, inp.dtype, inp.size, lambda: unpack(flat, outs))
 
 
 def unpack(flat: Any, outs: list[Any]) -> None:
@@ -201,17 +200,15 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
     call = "reduce_scatter_tensor"
-    g = resolve(group, call)
-    out = g.buffer(output, g, call, "output")
-    inp = g.buffer(input, g, call, "input", writable=False)
-    same_kind(out, inp, g, call, "output", "input")
+    g, _ = resolve(group, call)
+    out, inp = pair(g, call, output, "output", input, "input")
     _check_count(g, call, "input", inp, g.size, out.size)
     op = _op(op, out.dtype, g, call)
     if g.detail:
         check_call(g, call, out, op)
     if g.xp.may_share_memory(out, inp):
         inp = inp.copy()  # MPI reduces in place only at offset 0; a copy keeps any aliasing correct
-    return g.submit(g.backend.reduce_scatter(inp, out, op), call, async_op, out.dtype, inp.size)
+    return g.issue(call, "reduce_scatter", (inp, out, op), async_op, out.dtype, inp.size)
 
 
 def reduce_scatter(
@@ -219,14 +216,14 @@ def reduce_scatter(
 ) -> Work | None:
     """Reduce ``input_list[i]`` across the group into rank i's ``output``."""
     call = "reduce_scatter"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     out = g.buffer(output, g, call, "output")
     ins = check_list(g, call, "input_list", input_list, out, writable=False, count=out.size, like_arg="output")
     op = _op(op, out.dtype, g, call)
     if g.detail:
         check_call(g, call, out, op)
     send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins else g.xp.empty(0, out.dtype)
-    return g.submit(g.backend.reduce_scatter(send, out, op), call, async_op, out.dtype, send.size)
+    return g.issue(call, "reduce_scatter", (send, out, op), async_op, out.dtype, send.size)
 
 
 def all_gather_single(

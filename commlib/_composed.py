@@ -11,12 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import check_list, root_rank, unpack
+from commlib._collectives import check_list, pair, root_rank, unpack
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._world import resolve
-from commlib.arrays import same_kind
-from commlib.backends.base import Chained
 
 __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
 
@@ -49,17 +47,15 @@ def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
-    g = resolve(group, call)
-    out = g.buffer(output, g, call, "output")
-    inp = g.buffer(input, g, call, "input", writable=False)
-    same_kind(out, inp, g, call, "output", "input")
+    g, _ = resolve(group, call)
+    out, inp = pair(g, call, output, "output", input, "input")
     sc = _splits(g, call, "input_split_sizes", input_split_sizes, inp)
     rc = _splits(g, call, "output_split_sizes", output_split_sizes, out)
     if g.detail:  # split sizes may differ across ranks: only the dtype and the row shape must agree
         check_call(g, call, inp, shape=("*", *inp.shape[1:]))
     if g.xp.may_share_memory(out, inp):
         inp = inp.copy()
-    return g.submit(g.backend.all_to_all(inp, sc, out, rc), call, async_op, inp.dtype, inp.size)
+    return g.issue(call, "all_to_all", (inp, sc, out, rc), async_op, inp.dtype, inp.size)
 
 
 def all_to_all(
@@ -67,7 +63,7 @@ def all_to_all(
 ) -> Work | None:
     """Send ``input_tensor_list[i]`` to rank i and receive rank i's tensor into ``output_tensor_list[i]``."""
     call = "all_to_all"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     if not isinstance(input_tensor_list, (list, tuple)) or not input_tensor_list:
         raise TypeError(
             f"{g.label}{call}: input_tensor_list must be a list of {g.size} tensors, got {input_tensor_list!r}"
@@ -80,8 +76,9 @@ def all_to_all(
         check_call(g, call, first, shape=("*",))
     send = g.xp.concatenate([a.reshape(-1) for a in ins])
     recv = g.xp.empty(sum(a.size for a in outs), first.dtype)
-    handle = g.backend.all_to_all(send, [a.size for a in ins], recv, [a.size for a in outs])
-    return g.submit(Chained(handle, lambda: unpack(recv, outs)), call, async_op, send.dtype, send.size)
+    counts = ([a.size for a in ins], [a.size for a in outs])
+    args = (send, counts[0], recv, counts[1])
+    return g.issue(call, "all_to_all", args, async_op, send.dtype, send.size, lambda: unpack(recv, outs))
 
 
 def _only_on_root(g: ProcessGroup, call: str, arg: str, value: Any, is_root: bool, role: str) -> None:
@@ -101,7 +98,7 @@ def gather(
 ) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
     call = "gather"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     inp = g.buffer(tensor, g, call, "tensor", writable=False)
     root = root_rank(g, call, dst, group_dst, "dst", default=0)
     _only_on_root(g, call, "gather_list", gather_list, g.rank == root, "destination")
@@ -111,10 +108,8 @@ def gather(
         flat = g.xp.empty(g.size * inp.size, inp.dtype)
     if g.detail:
         check_call(g, call, inp, root=root)
-    handle = g.backend.gather(inp, flat, root)
-    if outs is not None:
-        handle = Chained(handle, lambda: unpack(flat, outs))
-    return g.submit(handle, call, async_op, inp.dtype, inp.size)
+    finish = None if outs is None else lambda: unpack(flat, outs)
+    return g.issue(call, "gather", (inp, flat, root), async_op, inp.dtype, inp.size, finish)
 
 
 def scatter(
@@ -127,7 +122,7 @@ def scatter(
 ) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
     call = "scatter"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     out = g.buffer(tensor, g, call, "tensor")
     root = root_rank(g, call, src, group_src, "src", default=0)
     _only_on_root(g, call, "scatter_list", scatter_list, g.rank == root, "source")
@@ -137,5 +132,4 @@ def scatter(
         send = g.xp.concatenate([a.reshape(-1) for a in ins])
     if g.detail:
         check_call(g, call, out, root=root)
-    handle = g.backend.scatter(send, out, root)
-    return g.submit(handle, call, async_op, out.dtype, out.size)
+    return g.issue(call, "scatter", (send, out, root), async_op, out.dtype, out.size)

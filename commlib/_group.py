@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import datetime
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from commlib._diagnostics import debug as _debug
 from commlib._diagnostics import flight as _flight
 from commlib._timeouts import as_seconds
 from commlib.arrays import host_array
-from commlib.backends.base import Backend, Handle
+from commlib.backends.base import Backend, Chained, Handle
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupBrokenError, TransportError
 
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
@@ -41,7 +41,8 @@ class ProcessGroup:
         "broken",
         "buffer",
         "detail",
-        "fast_all_reduce",
+        "fused",
+        "fused_all_reduce",
         "host",
         "label",
         "limits",
@@ -74,10 +75,10 @@ class ProcessGroup:
         self.host = backend.host if backend is not None else True
         overridden = backend is not None and type(backend).unsupported is not Backend.unsupported
         self.limits = backend.unsupported if overridden else None  # backend-specific (dtype, op) limits
-        # COMMLIB_DEBUG=DETAIL: every collective first checks that all ranks make the same call
-        # (diagnostics.debug); the fused all_reduce is then skipped, so its hot path has no check.
+        # COMMLIB_DEBUG=DETAIL: every collective first checks that all ranks make the same call (diagnostics.debug).
         self.detail = _debug.detail()
-        self.fast_all_reduce = backend.all_reduce_wait if backend is not None and not self.detail else None
+        self.fused = backend.fused() if backend is not None else {}  # blocking calls in one step, by kind
+        self.fused_all_reduce = self.fused.get("all_reduce")
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"
@@ -87,6 +88,31 @@ class ProcessGroup:
         return self.backend.name if self.backend is not None else "none"
 
     # -- the one wait path ------------------------------------------------------------------------
+    def issue(
+        self,
+        call: str,
+        kind: str,
+        args: tuple,
+        async_op: bool,
+        dtype: Any = None,
+        count: int = 0,
+        finish: Callable[[], None] | None = None,
+    ) -> Work | None:
+        """Carry out ``call`` as the backend's operation ``kind`` on ``args`` (validated already).
+
+        Blocking calls on host memory that the backend runs in one step (``Backend.fused``) go
+        through :meth:`run`; the others post the operation and hand its handle to :meth:`submit`.
+        ``finish`` runs on completion (e.g. copying out of a staging buffer).
+        """
+        fused = self.fused.get(kind) if self.host and not async_op else None
+        if fused is None:
+            handle = getattr(self.backend, kind)(*args)
+            return self.submit(handle if finish is None else Chained(handle, finish), call, async_op, dtype, count)
+        self.run(call, dtype, count, self.timeout, fused, *args)
+        if finish is not None:
+            finish()
+        return None
+
     def submit(self, handle: Handle, call: str, async_op: bool, dtype: Any = None, count: int = 0) -> Work | None:
         """A collective has been posted: give the caller its ``Work`` (``async_op``), or complete it now."""
         if async_op:
@@ -209,7 +235,7 @@ class ProcessGroup:
             if self.backend is not None:
                 self.backend.abort()
 
-    def refuse(self, call: str) -> None:
+    def refuse(self, call: str) -> NoReturn:
         """Raise the error for a call on a group that cannot take it (broken, or not a member)."""
         if self.broken is not None:
             raise GroupBrokenError(

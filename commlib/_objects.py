@@ -31,10 +31,6 @@ def _load(a: np.ndarray) -> Any:
     return pickle.loads(a.tobytes())
 
 
-def _run(g: ProcessGroup, handle: Any, call: str) -> None:
-    g.submit(handle, call, False)
-
-
 def _padded(chunks: list[np.ndarray], width: int) -> np.ndarray:
     out = np.zeros(len(chunks) * width, _U8)
     for i, c in enumerate(chunks):
@@ -51,20 +47,20 @@ def _check_list(g: ProcessGroup, call: str, arg: str, value: Any, size: int | No
 
 def _all_gather(g: ProcessGroup, call: str, mine: np.ndarray) -> np.ndarray:
     out = g.xp.empty(g.size * mine.size, mine.dtype)
-    _run(g, g.backend.all_gather(to_device(mine, g.xp), out), call)
+    g.issue(call, "all_gather", (to_device(mine, g.xp), out), False)
     return to_host(out)
 
 
 def _broadcast(g: ProcessGroup, call: str, buf: np.ndarray, root: int) -> np.ndarray:
     moved = to_device(buf, g.xp)
-    _run(g, g.backend.broadcast(moved, root), call)
+    g.issue(call, "broadcast", (moved, root), False)
     return to_host(moved)
 
 
 def all_gather_object(object_list: list, obj: Any, group: ProcessGroup | None = None) -> None:
     """Gather a picklable ``obj`` from every rank into ``object_list`` (length: group size) on every rank."""
     call = "all_gather_object"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     _check_list(g, call, "object_list", object_list, g.size)
     if g.detail:
         check_call(g, call)
@@ -84,7 +80,7 @@ def gather_object(
 ) -> None:
     """Gather a picklable ``obj`` from every rank into ``object_gather_list`` on rank ``dst`` (default 0)."""
     call = "gather_object"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     root = root_rank(g, call, dst, group_dst, "dst", default=0)
     if g.rank == root:
         _check_list(g, call, "object_gather_list", object_gather_list, g.size)
@@ -94,7 +90,7 @@ def gather_object(
     sizes = _all_gather(g, call, np.array([data.size], _I64))
     width = int(sizes.max())
     out = g.xp.empty(g.size * width, _U8) if g.rank == root else None
-    _run(g, g.backend.gather(to_device(_padded([data], width), g.xp), out, root), call)
+    g.issue(call, "gather", (to_device(_padded([data], width), g.xp), out, root), False)
     if out is not None:
         out = to_host(out)
         object_gather_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
@@ -109,7 +105,7 @@ def broadcast_object_list(
 ) -> None:
     """Replace ``object_list``'s entries on every rank with rank ``src``'s (lists of equal length)."""
     call = "broadcast_object_list"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     _check_list(g, call, "object_list", object_list, None)
     root = root_rank(g, call, src, group_src, "src")
     if g.detail:
@@ -134,7 +130,7 @@ def scatter_object_list(
 ) -> None:
     """Send ``scatter_object_input_list[i]`` from rank ``src`` (default 0) into rank i's output list[0]."""
     call = "scatter_object_list"
-    g = resolve(group, call)
+    g, _ = resolve(group, call)
     out_list = scatter_object_output_list
     if not isinstance(out_list, list) or not out_list:
         raise ValueError(f"{g.label}{call}: scatter_object_output_list must be a non-empty list, got {out_list!r}")
@@ -149,5 +145,5 @@ def scatter_object_list(
     sizes = _broadcast(g, call, sizes, root)
     width = int(sizes.max())
     recv = g.xp.empty(width, _U8)
-    _run(g, g.backend.scatter(to_device(_padded(chunks, width), g.xp) if mine else None, recv, root), call)
+    g.issue(call, "scatter", (to_device(_padded(chunks, width), g.xp) if mine else None, recv, root), False)
     out_list[0] = _load(to_host(recv)[: int(sizes[g.rank])])

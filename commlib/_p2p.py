@@ -6,20 +6,17 @@ from typing import Any
 
 from commlib._group import ProcessGroup, Work
 from commlib._world import label, resolve
+from commlib.backends.base import Backend
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
-def _peer(g: ProcessGroup, call: str, rank: Any, group_rank: Any, arg: str, any_ok: bool = False) -> int | None:
+def _peer(g: ProcessGroup, call: str, rank: Any, group_rank: Any, arg: str) -> int:
     if group_rank is not None:
         if rank is not None:
             raise ValueError(f"{g.label}{call}: give {arg} (a global rank) or group_{arg}, not both")
         peer = g.check_group_rank(group_rank, call, f"group_{arg}")
     elif rank is None:
-        if any_ok and g.backend.any_source:
-            return None
-        if any_ok:
-            raise ValueError(f"{g.label}{call}: the {g.backend_name} backend cannot receive from any source; pass src")
         raise ValueError(f"{g.label}{call}: {arg} is required (the global rank of the peer); or pass group_{arg}")
     else:
         peer = g.group_rank(rank, call, arg)
@@ -28,57 +25,77 @@ def _peer(g: ProcessGroup, call: str, rank: Any, group_rank: Any, arg: str, any_
     return peer
 
 
-def _tag(g: ProcessGroup, call: str, tag: Any) -> int:
-    limit = g.backend.max_tag
+def _source(g: ProcessGroup, b: Backend, call: str, rank: Any, group_rank: Any) -> int | None:
+    """The peer to receive from; None (any rank) when neither is given and the backend can."""
+    if rank is None and group_rank is None:
+        if b.any_source:
+            return None
+        raise ValueError(f"{g.label}{call}: the {g.backend_name} backend cannot receive from any source; pass src")
+    return _peer(g, call, rank, group_rank, "src")
+
+
+def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
+    limit = b.max_tag
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= limit:
         raise ValueError(f"{g.label}{call}: tag must be an int in [0, {limit}], got {tag!r}")
     return tag
 
 
-def _post_send(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> Work:
-    g = resolve(group, call)
+def _send_args(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> tuple:
+    g, b = resolve(group, call)
     a = g.buffer(tensor, g, call, "tensor", writable=False)
-    peer = _peer(g, call, dst, group_dst, "dst")
-    return Work(g, g.backend.send(a, peer, _tag(g, call, tag)), call, 0, ordered=False)
+    return g, b, (a, _peer(g, call, dst, group_dst, "dst"), _tag(g, b, call, tag))
 
 
-def _post_recv(tensor: Any, src: Any, group: Any, tag: Any, group_src: Any, call: str) -> Work:
-    g = resolve(group, call)
+def _recv_args(tensor: Any, src: Any, group: Any, tag: Any, group_src: Any, call: str) -> tuple:
+    g, b = resolve(group, call)
     a = g.buffer(tensor, g, call, "tensor")
-    peer = _peer(g, call, src, group_src, "src", any_ok=True)
-    return Work(g, g.backend.recv(a, peer, _tag(g, call, tag)), call, 0, ordered=False, receive=True)
+    return g, b, (a, _source(g, b, call, src, group_src), _tag(g, b, call, tag))
 
 
 def isend(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> Work:
     """Start sending ``tensor`` to global rank ``dst``; keep ``tensor`` unchanged until the Work completes."""
-    return _post_send(tensor, dst, group, tag, group_dst, "isend")
+    g, b, args = _send_args(tensor, dst, group, tag, group_dst, "isend")
+    return Work(g, b.send(*args), "isend", 0, ordered=False)
 
 
 def irecv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> Work:
     """Start receiving into ``tensor`` from global rank ``src`` (None: any rank); returns a Work."""
-    return _post_recv(tensor, src, group, tag, group_src, "irecv")
+    g, b, args = _recv_args(tensor, src, group, tag, group_src, "irecv")
+    return Work(g, b.recv(*args), "irecv", 0, ordered=False, receive=True)
 
 
 def send(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until the buffer may be reused."""
-    _post_send(tensor, dst, group, tag, group_dst, "send").wait()
+    g, b, args = _send_args(tensor, dst, group, tag, group_dst, "send")
+    fused = g.fused.get("send") if g.host else None
+    if fused is not None:
+        g.complete("send", 0, -1, g.timeout, fused, *args)
+    else:
+        Work(g, b.send(*args), "send", 0, ordered=False).wait()
 
 
 def recv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
-    work = _post_recv(tensor, src, group, tag, group_src, "recv")
-    if src is None and group_src is None:
+    g, b, args = _recv_args(tensor, src, group, tag, group_src, "recv")
+    peer = args[1]
+    fused = g.fused.get("recv") if g.host and peer is not None else None
+    if fused is not None:
+        g.complete("recv", 0, -1, g.timeout, fused, *args)
+        return g.ranks[peer]
+    work = Work(g, b.recv(*args), "recv", 0, ordered=False, receive=True)
+    if peer is None:
         return work.source_rank()
     work.wait()
-    return src if src is not None else work.group.ranks[group_src]
+    return g.ranks[peer]
 
 
 class P2POp:
@@ -121,15 +138,14 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     groups = {id(p.group) for p in p2p_op_list}
     if len(groups) != 1:
         raise ValueError(f"{label()}{call}: all P2POps of a batch must use the same group")
-    g = resolve(p2p_op_list[0].group, call)
+    g, b = resolve(p2p_op_list[0].group, call)
     # Validate every op before posting any, so a bad op leaves nothing half-sent.
     plan = []
     for i, p in enumerate(p2p_op_list):
         recv = p.op is irecv
         a = g.buffer(p.tensor, g, call, f"p2p_op_list[{i}].tensor", writable=recv)
         peer = _peer(g, call, p.peer, p.group_peer, "peer")
-        plan.append((recv, a, peer, _tag(g, call, p.tag)))
-    b = g.backend
+        plan.append((recv, a, peer, _tag(g, b, call, p.tag)))
     b.group_start()
     try:
         handles = [(b.recv if recv else b.send)(a, peer, tag) for recv, a, peer, tag in plan]

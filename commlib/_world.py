@@ -8,6 +8,7 @@ from typing import Any
 from commlib._environment import LaunchInfo, detect
 from commlib._group import ProcessGroup
 from commlib._timeouts import as_seconds
+from commlib.backends.base import Backend
 from commlib.errors import BackendUnavailableError, CommTimeoutError
 
 __all__ = [
@@ -110,7 +111,7 @@ def init_process_group(
 def _make_world(
     name: str, timeout: float, world_size: int = -1, rank: int = -1, init_method: str = "env://"
 ) -> ProcessGroup:
-    from commlib.backends import mpi
+    from commlib.backends import _mpi_world as mpi
 
     if name == "nccl":
         from commlib.backends import nccl
@@ -142,7 +143,7 @@ def _watch(backend: Any, timeout: float) -> None:
     """Start the job monitor and the flight recorder's SIGUSR1 dump; report uncaught exceptions before MPI_Abort."""
     from commlib._diagnostics import flight as _flight
     from commlib._diagnostics import monitor as _monitor
-    from commlib.backends import mpi
+    from commlib.backends import _mpi_world as mpi
 
     _monitor.setup(backend, timeout)
     _flight.install_signal()
@@ -172,7 +173,7 @@ def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float) -> Any:
 
 def _join_nodes(local: Any, info: LaunchInfo, timeout: float, init_method: str) -> Any:
     """One MPI communicator out of the per-node MPI worlds (``commlib.launch --nnodes N``)."""
-    from commlib.backends import mpi
+    from commlib.backends import _mpi_world as mpi
 
     store = rendezvous_store(init_method, info, timeout)
     try:
@@ -225,8 +226,11 @@ def label() -> str:
     return _state.world.label if _state.world is not None else ""
 
 
-def resolve(group: ProcessGroup | None, call: str) -> ProcessGroup:
-    """The group a call runs on: ``group``, or the default group (initialised on first use)."""
+def resolve(group: ProcessGroup | None, call: str) -> tuple[ProcessGroup, Backend]:
+    """The group a call runs on (``group``, or the default group, initialised on first use) and its backend.
+
+    Raises what :meth:`ProcessGroup.refuse` says for a group that cannot take the call.
+    """
     g = _state.world if group is None else group
     if g is None:
         g = _implicit_world()
@@ -236,7 +240,7 @@ def resolve(group: ProcessGroup | None, call: str) -> ProcessGroup:
         )
     if g.broken is not None or g.backend is None:
         g.refuse(call)
-    return g
+    return g, g.backend
 
 
 def _implicit_world() -> ProcessGroup:
@@ -257,7 +261,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     for g in targets:
         if g.backend is not None and g.broken is None and g is not _state.world:
             g.backend.close()
-        g.backend = g.fast_all_reduce = None
+        g.backend, g.fused, g.fused_all_reduce = None, {}, None
         if g in _state.groups:
             _state.groups.remove(g)
     _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}
@@ -272,7 +276,7 @@ def subgroup(ranks: Any) -> ProcessGroup:
     The first use is collective over the default group, as ``new_group`` is: every rank asks for
     the same ranks in the same order. ``destroy_process_group()`` clears the cache.
     """
-    world = resolve(None, "subgroup")
+    world, _ = resolve(None, "subgroup")
     key = tuple(_check_ranks(world, ranks))
     if key == tuple(range(world.size)):
         return world
@@ -295,7 +299,7 @@ def new_group(
 
     With ``use_local_synchronization=True`` (as torch's flag) only the members of ``ranks`` call it.
     """
-    world = resolve(None, "new_group")
+    world, engine = resolve(None, "new_group")
     members = _check_ranks(world, ranks)
     if sort_ranks:
         members = sorted(members)
@@ -312,9 +316,9 @@ def new_group(
         )
     try:
         if use_local_synchronization:
-            sub = world.backend.create_group(members, world.timeout)
+            sub = engine.create_group(members, world.timeout)
         else:
-            sub = world.backend.split(members, world.timeout)
+            sub = engine.split(members, world.timeout)
     except CommTimeoutError as e:
         if not use_local_synchronization:  # a missing member leaves the world's collective half-done
             world.mark_broken(e)

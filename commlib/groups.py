@@ -17,4 +17,4 @@ __all__ = ["array_module", "subgroup"]
 
 def array_module(group: ProcessGroup | None = None) -> ModuleType:
     """The array module of ``group``'s buffers: numpy for host memory (mpi, the NCCL emulator), cupy on GPUs."""
-    return resolve(group, "commlib.groups.array_module").xp
+    return resolve(group, "commlib.groups.array_module")[0].xp

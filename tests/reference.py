@@ -121,3 +121,22 @@ def same_search_on_every_rank() -> None:
         empty = providers.Constants()
         providers._get_local_constants = lambda: empty
         providers.CONSTANTS_CACHE.cache.clear()
+
+
+def search_settings(max_examples: int, shrink: bool = False):
+    """The hypothesis settings of every fuzz and property test: derandomized (the same cases on every rank,
+    see :func:`same_search_on_every_rank`), no example database, no deadline (ranks share two cores), no
+    health checks; multi-rank searches never shrink (a shrinking rank would leave the others waiting)."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    same_search_on_every_rank()
+    phases = list(Phase) if shrink else [Phase.generate]
+    return settings(
+        max_examples=max_examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )

@@ -161,28 +161,6 @@ def test_group_ranks_and_queries(backend: str, n: int) -> None:
         assert results[1] == {"rank": -1, "size": -1, "backend": backend}
 
 
-def monitored_job() -> str:
-    import time
-
-    import commlib as dist
-
-    if dist.get_rank() == 2:
-        time.sleep(3)  # arrives late
-        return "late"
-    try:
-        dist.monitored_barrier(timeout=1)
-    except dist.CommTimeoutError as e:
-        return str(e)
-    return "passed"
-
-
-def test_monitored_barrier_names_missing_ranks() -> None:
-    results = run(monitored_job, 4, timeout=60)
-    assert "monitored_barrier" in results[0] and "ranks [2] did not reach the barrier" in results[0], results[0]
-    for r in (1, 3):
-        assert "rank 0 (global rank 0) did not release the barrier" in results[r], results[r]
-
-
 def torch_job() -> list:
     import torch
 

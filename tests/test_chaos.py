@@ -210,6 +210,47 @@ except CommError as e:
 """
 
 
+# Ranks 0 and 1 make one broadcast more than ranks 2 and 3, of another size: the next broadcast of 2 and 3
+# meets rank 0's extra one. Every rank is alive when the first one fails.
+EXTRA_BROADCAST = """
+import numpy as np
+import commlib as dist
+dist.init_process_group()
+me = dist.get_rank()
+for i in range(3):
+    dist.broadcast(np.zeros(4 + i, np.float32), src=0)
+if me < 2:
+    dist.broadcast(np.zeros(1000, np.float32), src=0)
+z = np.zeros(10, np.float32)
+dist.broadcast(z, src=0)
+dist.all_reduce(z)
+"""
+
+
+def test_a_mismatched_broadcast_is_explained_and_every_rank_is_placed(tmp_path: Path) -> None:
+    """Size disagreement: ranks 2-3 name the call, its number and their bytes; the launcher places every rank."""
+    script = tmp_path / f"extra_broadcast_{os.getpid()}.py"
+    script.write_text(EXTRA_BROADCAST)
+    cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "4", str(script)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COMMLIB_TIMEOUT": "30"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    err = proc.stderr
+    assert proc.returncode != 0, err[-3000:]
+    for rank in (2, 3):
+        assert re.search(
+            rf"\[{rank}\] commlib.errors.CollectiveMismatchError: \[rank {rank}/4\] broadcast \(call #4 on group "
+            r"'world', ranks \[0, 1, 2, 3\], 40 bytes on this rank\) failed inside mpi: the ranks most likely "
+            r"disagree on the size of this call, or made different numbers of calls before it",
+            err,
+        ), err[-3000:]
+    summary = err[err.index("commlib.launch: flight recorder") :]
+    assert "broadcast #4 on group 'world'" in summary.splitlines()[1], summary
+    for rank in range(4):
+        assert re.search(rf"  rank {rank}: (started|failed|completed|not in a collective)", summary), summary
+    assert "left no record" not in summary and "no flight record" not in summary, summary
+    assert _no_orphans(script.name) == []
+
+
 def test_store_host_killed_while_clients_wait(tmp_path: Path) -> None:
     """(c) the process serving a TCPStore is SIGKILLed while clients block in wait/get: they fail promptly."""
     marker = tmp_path / f"store_{os.getpid()}.py"

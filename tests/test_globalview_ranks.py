@@ -64,41 +64,64 @@ def _expected_local(truth, name, p, c):
     return truth[lo:hi] if d == 0 else truth[:, lo:hi]
 
 
-def conversions_job() -> int:
-    """Every pair of (B, S(0), S(1), P), on shapes that divide and do not."""
+# The scenarios conversions_job runs, by name: every pair on an even and an uneven shape, and partial max/min.
+PAIRS = list(itertools.product([B, S0, S1, P], repeat=2))
+CONVERSIONS = [f"{a}->{b} {kind}" for kind in ("even", "uneven") for a, b in PAIRS]
+CONVERSIONS += [f"P{reduce}->{target}" for reduce in ("max", "min") for target in (B, S0)]
+
+
+def _outcome(fn) -> str:
+    """Run one scenario's checks: "ok", or what failed (the collectives before a failed check all ran)."""
+    try:
+        fn()
+        return "ok"
+    except AssertionError as e:
+        return f"failed: {e}"
+
+
+def conversions_job() -> dict[str, str]:
+    """Every pair of (B, S(0), S(1), P), on shapes that divide and do not: scenario name -> outcome."""
     import commlib
     import globalview as gv
 
     p, me = commlib.get_world_size(), commlib.get_rank()
     pl = gv.placement(_device(commlib), list(range(p)))
-    checks = 0
-    for shape in [(4 * p, 6), (4 * p + 1, 2 * p + 3)]:
+    out = {}
+    for kind, shape in (("even", (4 * p, 6)), ("uneven", (4 * p + 1, 2 * p + 3))):
         truth = np.arange(np.prod(shape), dtype=np.int64).reshape(shape) * 3 - 7
-        for a, b in itertools.product([B, S0, S1, P], repeat=2):
+        for a, b in PAIRS:
             x = _make(gv, commlib, truth, pl, a, p)
-            assert x.shape == shape and x.sbp == (_sbp(gv, a),)
             with gv.record() as calls:
                 y = x.to_global(sbp=_sbp(gv, b))
-            want = EXPECT[(a, b)] if p > 1 else []
-            assert [c.name for c in calls] == want, f"{a} -> {b} on {p} ranks, {shape}: ran {calls}, expected {want}"
-            assert y.sbp == (_sbp(gv, b),) and y.shape == shape
-            if b != P:
-                np.testing.assert_array_equal(np.asarray(y.to_local()), _expected_local(truth, b, p, me))
-            np.testing.assert_array_equal(y.numpy(), truth, err_msg=f"{a} -> {b} on {p} ranks, {shape}")
-            checks += 1
+            numpy = y.numpy()
+
+            def check(a=a, b=b, x=x, y=y, calls=calls, numpy=numpy, truth=truth, shape=shape) -> None:
+                assert x.shape == shape and x.sbp == (_sbp(gv, a),)
+                want = EXPECT[(a, b)] if p > 1 else []
+                assert [c.name for c in calls] == want, f"ran {calls}, expected {want}"
+                assert y.sbp == (_sbp(gv, b),) and y.shape == shape
+                if b != P:
+                    np.testing.assert_array_equal(np.asarray(y.to_local()), _expected_local(truth, b, p, me))
+                np.testing.assert_array_equal(numpy, truth)
+
+            out[f"{a}->{b} {kind}"] = _outcome(check)
     # partial max / min: the logical value is the elementwise max / min of the parts
     for reduce in ("max", "min"):
         sbp = getattr(gv.sbp, f"partial_{reduce}")
         parts = [np.arange(12.0).reshape(4, 3) * ((r % 3) - 1) for r in range(p)]
         truth = getattr(np, reduce)(np.stack(parts), axis=0)
         x = gv.to_global(parts[me], pl, sbp)
-        for target, want in ((gv.sbp.broadcast, "all_reduce"), (gv.sbp.split(0), "reduce_scatter")):
+        for target, want in ((B, "all_reduce"), (S0, "reduce_scatter")):
             with gv.record() as calls:
-                y = x.to_global(sbp=target)
-            assert [c.name for c in calls] == ([want] if p > 1 else [])
-            np.testing.assert_array_equal(y.numpy(), truth)
-            checks += 1
-    return checks
+                y = x.to_global(sbp=_sbp(gv, target))
+            numpy = y.numpy()
+
+            def check(calls=calls, numpy=numpy, want=want, truth=truth) -> None:
+                assert [c.name for c in calls] == ([want] if p > 1 else [])
+                np.testing.assert_array_equal(numpy, truth)
+
+            out[f"P{reduce}->{target}"] = _outcome(check)
+    return out
 
 
 def operators_job() -> int:
@@ -234,7 +257,7 @@ def _job(tmp) -> dict:
 def test_globalview_on_ranks(world_size: int, backend: str) -> None:
     results = run(_job, world_size, None, env=BACKENDS[backend], timeout=240)
     r0 = results[0]
-    assert r0["conversions"] == 2 * 16 + 4
+    assert r0["conversions"] == dict.fromkeys(CONVERSIONS, "ok")
     assert r0["operators"] >= 15 and r0["local"] >= 3
     # the random tensors match the single-process ones, so they match across world sizes too
     import globalview as gv
@@ -253,61 +276,75 @@ def _participants(step) -> set[int]:
     return set(step.placement.flat)
 
 
-def mesh_job() -> int:
+MOVES = [([0, 1], [2, 3]), ([0, 1, 2], [1, 2, 3]), ([0, 1], [1, 0]), ([3], [0, 1, 2, 3]), ([0, 1, 2, 3], [2])]
+LAYOUTS = [B, S0, S1, P]
+MESH_TARGETS = [(B, B), (S0, S1), (S1, S0), (S0, S0), (B, S0), (P, S1)]
+# The scenarios mesh_job runs, by name.
+MESH_SCENARIOS = [f"{src}->{dst} {a}->{b}" for (src, dst), a, b in itertools.product(MOVES, LAYOUTS, LAYOUTS)]
+MESH_SCENARIOS += ["seed [0, 1] S(0) -> [2, 3] B"]
+MESH_SCENARIOS += [f"mesh {a}->{b}" for a in itertools.product(LAYOUTS, repeat=2) for b in MESH_TARGETS]
+MESH_SCENARIOS += ["mesh matmul (S(0), B) x (B, S(1))"]
+
+
+def mesh_job() -> dict[str, str]:
     """World size 4: placement changes (disjoint, overlapping, same-shape moves) and a 2 x 2 mesh."""
     import commlib
     import globalview as gv
 
-    S, me = gv.sbp, commlib.get_rank()
-    dev = _device(commlib)
+    me, dev = commlib.get_rank(), _device(commlib)
     truth = np.arange(9 * 7, dtype=np.float64).reshape(9, 7)
-    layouts = [S.broadcast, S.split(0), S.split(1), S.partial_sum]
-    checks = 0
-    moves = [([0, 1], [2, 3]), ([0, 1, 2], [1, 2, 3]), ([0, 1], [1, 0]), ([3], [0, 1, 2, 3]), ([0, 1, 2, 3], [2])]
-    for (src, dst), a, b in itertools.product(moves, layouts, layouts):
-        x = gv.tensor(truth, placement=gv.placement(dev, src), sbp=a)
+    out = {}
+    for (src, dst), a, b in itertools.product(MOVES, LAYOUTS, LAYOUTS):
+        x = gv.tensor(truth, placement=gv.placement(dev, src), sbp=_sbp(gv, a))
         with gv.record() as calls:
-            y = x.to_global(placement=gv.placement(dev, dst), sbp=b)
-        plan = x.plan_to(gv.placement(dev, dst), (b,))
-        assert [c.name for c in calls] == [s.kind for s in plan.steps if me in _participants(s)], (src, dst, a, b)
-        assert len(plan.collectives) <= 2
-        if me not in dst:
-            assert y.to_local().size == 0
-        np.testing.assert_array_equal(y.numpy(), truth, err_msg=f"{src}->{dst} {a}->{b}")
-        checks += 1
+            y = x.to_global(placement=gv.placement(dev, dst), sbp=_sbp(gv, b))
+        plan, numpy = x.plan_to(gv.placement(dev, dst), (_sbp(gv, b),)), y.numpy()
+
+        def check(calls=calls, plan=plan, y=y, numpy=numpy, dst=dst) -> None:
+            assert [c.name for c in calls] == [s.kind for s in plan.steps if me in _participants(s)]
+            assert len(plan.collectives) <= 2
+            assert me in dst or y.to_local().size == 0
+            np.testing.assert_array_equal(numpy, truth)
+
+        out[f"{src}->{dst} {a}->{b}"] = _outcome(check)
     # the seed's example: [0, 1] S(0) -> [2, 3] B is a gather to rank 0 and one broadcast
-    x = gv.tensor([1.0, 2.0], placement=gv.placement(dev, [0, 1]), sbp=S.split(0))
-    y = x.to_global(placement=gv.placement(dev, [2, 3]), sbp=S.broadcast)
-    assert x.plan_to(y.placement, y.sbp).collectives == ["gather", "broadcast"]
-    np.testing.assert_array_equal(y.to_local(), [1.0, 2.0] if me in (2, 3) else [])
+    x = gv.tensor([1.0, 2.0], placement=gv.placement(dev, [0, 1]), sbp=gv.sbp.split(0))
+    y = x.to_global(placement=gv.placement(dev, [2, 3]), sbp=gv.sbp.broadcast)
+
+    def seed() -> None:
+        assert x.plan_to(y.placement, y.sbp).collectives == ["gather", "broadcast"]
+        np.testing.assert_array_equal(y.to_local(), [1.0, 2.0] if me in (2, 3) else [])
+
+    out["seed [0, 1] S(0) -> [2, 3] B"] = _outcome(seed)
     # a 2 x 2 mesh: nd sbp converted axis by axis over the mesh's sub-groups
     mesh = gv.placement(dev, [[0, 1], [2, 3]])
-    nd = [S.broadcast, S.split(0), S.split(1), S.partial_sum]
-    for a in itertools.product(nd, repeat=2):
-        for b in [
-            (S.broadcast, S.broadcast),
-            (S.split(0), S.split(1)),
-            (S.split(1), S.split(0)),
-            (S.split(0), S.split(0)),
-            (S.broadcast, S.split(0)),
-            (S.partial_sum, S.split(1)),
-        ]:
-            x = gv.tensor(truth, placement=mesh, sbp=a)
-            y = x.to_global(sbp=b)
-            assert y.sbp == b
-            np.testing.assert_array_equal(y.numpy(), truth, err_msg=f"{a} -> {b}")
-            checks += 1
-    w = gv.randn(7, 4, placement=mesh, sbp=(S.broadcast, S.split(1)), seed=2)
-    x = gv.tensor(truth, placement=mesh, sbp=(S.split(0), S.broadcast))
+    for a in itertools.product(LAYOUTS, repeat=2):
+        for b in MESH_TARGETS:
+            x = gv.tensor(truth, placement=mesh, sbp=tuple(_sbp(gv, s) for s in a))
+            y = x.to_global(sbp=tuple(_sbp(gv, s) for s in b))
+            numpy = y.numpy()
+
+            def check(y=y, b=b, numpy=numpy) -> None:
+                assert y.sbp == tuple(_sbp(gv, s) for s in b)
+                np.testing.assert_array_equal(numpy, truth)
+
+            out[f"mesh {a}->{b}"] = _outcome(check)
+    w = gv.randn(7, 4, placement=mesh, sbp=(gv.sbp.broadcast, gv.sbp.split(1)), seed=2)
+    x = gv.tensor(truth, placement=mesh, sbp=(gv.sbp.split(0), gv.sbp.broadcast))
     m = x @ w  # data parallel on axis 0, model parallel on axis 1: no communication
-    assert m.sbp == (S.split(0), S.split(1))
-    np.testing.assert_allclose(m.numpy(), truth @ gv.randn(7, 4, seed=2), rtol=1e-6)
-    return checks + 2
+    got, single = m.numpy(), gv.randn(7, 4, seed=2)
+
+    def matmul() -> None:
+        assert m.sbp == (gv.sbp.split(0), gv.sbp.split(1))
+        np.testing.assert_allclose(got, truth @ single, rtol=1e-6)
+
+    out["mesh matmul (S(0), B) x (B, S(1))"] = _outcome(matmul)
+    return out
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_placement_changes_and_meshes_on_four_ranks(backend: str) -> None:
-    assert run(mesh_job, 4, env=BACKENDS[backend], timeout=240)[0] == 5 * 16 + 16 * 6 + 2
+    assert run(mesh_job, 4, env=BACKENDS[backend], timeout=240)[0] == dict.fromkeys(MESH_SCENARIOS, "ok")
 
 
 def _raises(exc, text, fn, *args, **kwargs):

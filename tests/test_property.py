@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference import ALL_DTYPES, BACKENDS, group_layouts, make, ops_for, reduce, same, same_search_on_every_rank
+from reference import ALL_DTYPES, BACKENDS, group_layouts, make, ops_for, reduce, same, search_settings
 
 from commlib.testing import run
 
@@ -72,12 +72,11 @@ def _case(dist, groups, layouts, me, case) -> bool:
 
 def property_job(max_examples: int) -> dict[str, int]:
     """Run the search; return how many cases were drawn and how many this rank took part in."""
-    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import given
     from hypothesis import strategies as st
 
     import commlib as dist
 
-    same_search_on_every_rank()
     n, me = dist.get_world_size(), dist.get_rank()
     layouts = group_layouts(n)
     groups = {k: None if k == "world" else dist.new_group(v) for k, v in layouts.items()}
@@ -93,15 +92,7 @@ def property_job(max_examples: int) -> dict[str, int]:
         st.integers(0, 1000),
     )
 
-    @settings(
-        max_examples=max_examples,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-    )
+    @search_settings(max_examples)
     @given(cases)
     def check(case) -> None:
         count["executed"] += _case(dist, groups, layouts, me, case)

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from reference import search_settings
 
 from commlib.errors import CommError, CommTimeoutError
 from commlib.store import FileStore, PrefixStore, Store, StoreTokenError, TCPStore
@@ -448,13 +449,7 @@ def test_fuzzed_frames_never_hurt_the_server() -> None:
             baseline = len(server._conns)  # the master's and the client's own connections
             fuzzer, batches = _Fuzzer(master.port), [0]
 
-            @settings(
-                max_examples=250,
-                derandomize=True,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                database=None,
-            )
+            @search_settings(250, shrink=True)
             @given(frames=st.lists(_frames, min_size=10, max_size=20), authenticate=st.booleans())
             def batch(frames: list[tuple[str, bytes]], authenticate: bool) -> None:
                 for kind, frame in frames:

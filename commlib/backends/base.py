@@ -232,14 +232,6 @@ class Backend(abc.ABC):
     def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
         """Reduce ``sendbuf`` over all ranks into every rank's ``recvbuf``; ``sendbuf is recvbuf``: in place."""
 
-    def all_reduce_wait(self, buf: Any, op: ReduceOp, timeout: float) -> bool:
-        """Blocking in-place all_reduce: True once done, False if ``timeout`` passed first.
-
-        The latency-critical call of every training loop; a backend may fuse post and wait here
-        (no handle object). On False the operation may still be running: keep ``buf`` referenced.
-        """
-        return self.all_reduce(buf, buf, op).wait(timeout)
-
     @abc.abstractmethod
     def broadcast(self, buf: Any, root: int) -> Handle:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (in place)."""
@@ -262,6 +254,19 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> Handle:
         """Complete once every rank has called barrier."""
+
+    def fused(self) -> dict[str, Callable[..., bool]]:
+        """Functions that run an operation to completion in one call, by operation name (``"broadcast"``, ...).
+
+        Each takes the operation's arguments plus ``timeout`` and returns True once done, False
+        when ``timeout`` passed first (the operation may then still run). The group layer uses
+        them for blocking calls on host memory, and only when nothing else of this communicator is
+        in flight: a backend may fuse post and wait there (no handle object), or rerun a persistent
+        operation it made for an earlier call with the same description (every rank makes the same
+        calls in the same order, so such a cache decides alike on every rank). Operations left out
+        are posted and waited on through their handles. The default: none.
+        """
+        return {}
 
     # -- point to point -------------------------------------------------------------------------
     @abc.abstractmethod

@@ -19,7 +19,7 @@ import numpy as np
 from commlib._ops import ReduceOp
 from commlib.arrays import address, bfloat16, device_array, host_array
 from commlib.backends._cuda import load, nccl_unavailable_reason
-from commlib.backends.base import RESERVED_TAGS, Backend, Handle, poll
+from commlib.backends.base import RESERVED_TAGS, Backend, Handle, MeetingTimeout, poll
 from commlib.errors import CommError
 
 __all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unique_id"]
@@ -266,12 +266,24 @@ class NcclBackend(Backend):
         sub = self.comm.commSplit(0 if member else _SPLIT_NOCOLOR, ranks.index(self.rank) if member else 0)
         return self._sub(sub, ranks) if member else None
 
+    def rendezvous(self, ranks: list[int], timeout: float, payload: bytes = b"", what: str = "group setup") -> bytes:
+        """Meet through the bootstrap: NCCL runs a stream's receives in order, so it cannot say who is late."""
+        if self.bootstrap is None:
+            return super().rendezvous(ranks, timeout, payload, what)
+        mapped = [self.bootstrap_ranks[r] for r in ranks]
+        try:
+            return self.bootstrap.rendezvous(mapped, timeout, payload, what)
+        except MeetingTimeout as e:
+            if e.missing is None:
+                raise
+            raise MeetingTimeout(str(e), [ranks[mapped.index(r)] for r in e.missing]) from None
+
     def create_group(self, ranks: list[int], timeout: float) -> NcclBackend:
         """Sub-communicator of ``ranks`` made by its members alone: a fresh unique id from ``ranks[0]``."""
         if self.bootstrap is None:
             raise CommError("new_group(use_local_synchronization=True): this NCCL communicator has no bootstrap")
         uid = unique_id(self.nccl) if self.rank == ranks[0] else b""
-        uid = self.bootstrap.rendezvous([self.bootstrap_ranks[r] for r in ranks], timeout, uid)
+        uid = self.rendezvous(ranks, timeout, uid, what="an NCCL group's unique id")
         return self._sub(self.nccl.NcclCommunicator(len(ranks), uid, ranks.index(self.rank)), ranks)
 
     def _sub(self, comm: Any, ranks: list[int]) -> NcclBackend:

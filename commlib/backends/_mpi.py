@@ -1,0 +1,241 @@
+"""The mpi backend's parts: MPI datatypes and ops for each dtype, request handles, and persistent operations.
+
+MPI has no float16/bfloat16 arithmetic: those are reduced in a float32 scratch buffer and
+rounded once (moved as 16-bit words otherwise). AVG is SUM followed by one division.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from commlib._ops import ReduceOp
+from commlib.arrays import LOW_PRECISION, bfloat16
+from commlib.backends.base import poll
+from commlib.errors import TransportError
+
+__all__ = ["MOVE_TYPE", "REDUCTIONS", "Persistent", "PersistentCache", "Recv", "Req", "Reqs", "average", "settle"]
+
+MOVE_TYPE = {
+    np.dtype(np.int8): MPI.INT8_T,
+    np.dtype(np.uint8): MPI.UINT8_T,
+    np.dtype(np.int16): MPI.INT16_T,
+    np.dtype(np.uint16): MPI.UINT16_T,
+    np.dtype(np.int32): MPI.INT32_T,
+    np.dtype(np.uint32): MPI.UINT32_T,
+    np.dtype(np.int64): MPI.INT64_T,
+    np.dtype(np.uint64): MPI.UINT64_T,
+    np.dtype(np.float16): MPI.UINT16_T,
+    bfloat16: MPI.UINT16_T,
+    np.dtype(np.float32): MPI.FLOAT,
+    np.dtype(np.float64): MPI.DOUBLE,
+    np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
+    np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
+    np.dtype(np.bool_): MPI.C_BOOL,
+}
+_OP = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVG: MPI.SUM,
+    ReduceOp.PRODUCT: MPI.PROD,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.BAND: MPI.BAND,
+    ReduceOp.BOR: MPI.BOR,
+    ReduceOp.BXOR: MPI.BXOR,
+}
+# MPI reduces C_BOOL only with logical ops; these give torch's results on bool tensors.
+_BOOL_OP = {
+    ReduceOp.SUM: MPI.LOR,
+    ReduceOp.MAX: MPI.LOR,
+    ReduceOp.BOR: MPI.LOR,
+    ReduceOp.PRODUCT: MPI.LAND,
+    ReduceOp.MIN: MPI.LAND,
+    ReduceOp.BAND: MPI.LAND,
+    ReduceOp.BXOR: MPI.LXOR,
+}
+F32 = np.dtype(np.float32)
+_FAST_POLLS = range(256)
+
+
+def _reduction(dtype: np.dtype, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
+    if dtype == np.bool_:
+        return MPI.C_BOOL, _BOOL_OP.get(op, MPI.OP_NULL)  # AVG on bool is refused before this
+    if dtype in LOW_PRECISION:
+        return MPI.FLOAT, _OP[op]
+    return MOVE_TYPE[dtype], _OP[op]
+
+
+#: (dtype, op) -> (MPI datatype, MPI op) of the reduction, computed once: one dict hit on the hot path.
+REDUCTIONS = {(d, op): _reduction(d, op) for d in MOVE_TYPE for op in ReduceOp}
+
+
+def average(buf: np.ndarray, n: int) -> None:
+    """buf /= n in place; complex numbers component by component (a real division, as NCCL's AVG)."""
+    flat = buf.view(buf.real.dtype) if buf.dtype.kind == "c" else buf
+    np.divide(flat, n, out=flat)
+
+
+def mpi_error(e: MPI.Exception) -> TransportError:
+    return TransportError(f"MPI reported an error: {e.Get_error_string()}")
+
+
+def settle(req: MPI.Request, timeout: float, abandoned: list) -> bool:
+    """Wait for ``req`` with a deadline: tight polls first (small messages finish in a few), then :func:`poll`.
+
+    A request that times out or is interrupted (e.g. the watchdog reports a failed peer) is put in
+    ``abandoned`` with what it references, since MPI may still write into its buffers.
+    """
+    test = req.Test
+    try:
+        for _ in _FAST_POLLS:
+            if test():
+                return True
+        if poll(test, timeout):
+            return True
+    except MPI.Exception as e:
+        raise mpi_error(e) from None
+    except BaseException:
+        abandoned.append(req)
+        raise
+    abandoned.append(req)
+    return False
+
+
+class Req:
+    """A handle over one MPI request."""
+
+    __slots__ = ("keep", "req")
+
+    def __init__(self, req: MPI.Request, keep: object = None) -> None:
+        self.req = req
+        self.keep = keep  # the buffers MPI reads or writes until completion (mpi4py does not hold them all)
+
+    def test(self) -> bool:
+        try:
+            return self.req.Test()
+        except MPI.Exception as e:
+            raise mpi_error(e) from None
+
+    def wait(self, timeout: float) -> bool:
+        return settle(self.req, timeout, _abandoned)
+
+    def defer(self) -> bool:
+        return False  # host memory: the caller waits
+
+
+_abandoned: list = []  # requests of handles whose wait gave up (kept referenced for good)
+
+
+class Reqs:
+    """A handle over several MPI requests (p2p batches)."""
+
+    __slots__ = ("keep", "reqs")
+
+    def __init__(self, reqs: list[MPI.Request], keep: object = None) -> None:
+        self.reqs, self.keep = reqs, keep
+
+    def test(self) -> bool:
+        try:
+            return MPI.Request.Testall(self.reqs)
+        except MPI.Exception as e:
+            raise mpi_error(e) from None
+
+    def wait(self, timeout: float) -> bool:
+        return self.test() or poll(self.test, timeout)
+
+    def defer(self) -> bool:
+        return False
+
+
+class Recv(Req):
+    """A receive handle that remembers who sent (for ``recv(src=None)``)."""
+
+    __slots__ = ("status",)
+
+    def __init__(self, req: MPI.Request, status: MPI.Status, keep: object = None) -> None:
+        super().__init__(req, keep)
+        self.status = status
+
+    def test(self) -> bool:
+        try:
+            return self.req.Test(self.status)
+        except MPI.Exception as e:
+            raise mpi_error(e) from None
+
+    def wait(self, timeout: float) -> bool:
+        return self.test() or poll(self.test, timeout)
+
+    @property
+    def source(self) -> int:
+        return self.status.Get_source()
+
+
+class Persistent:
+    """One persistent collective over scratch buffers: load the input, start, settle, store the output.
+
+    ``send`` is what :meth:`load` fills (None: the rank contributes nothing, e.g. a non-root of
+    broadcast), ``recv`` what :meth:`store` copies out of (None: no output here). ``divide``
+    (AVG) divides the result once before it is stored; float16/bfloat16 scratch is float32, so
+    the store is the one rounding.
+    """
+
+    __slots__ = ("divide", "recv", "req", "send")
+
+    def __init__(
+        self, req: MPI.Prequest, send: np.ndarray | None = None, recv: np.ndarray | None = None, divide: int = 0
+    ) -> None:
+        self.req, self.send, self.recv, self.divide = req, send, recv, divide
+
+    def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float, abandoned: list) -> bool:
+        """Copy ``inp`` in, run the operation once (False: ``timeout`` passed), copy the result out to ``out``."""
+        if inp is not None and self.send is not None:
+            self.send[...] = inp
+        req = self.req
+        test = req.Test
+        try:
+            req.Start()
+            for _ in _FAST_POLLS:  # settle()'s first phase, inlined: most small calls end here
+                if test():
+                    break
+            else:
+                if not settle(req, timeout, abandoned):
+                    return False
+        except MPI.Exception as e:
+            raise mpi_error(e) from None
+        if out is not None and self.recv is not None:
+            if self.divide:
+                average(self.recv, self.divide)
+            out[...] = self.recv
+        return True
+
+
+class PersistentCache:
+    """The persistent collectives of one communicator, by description, at most ``limit`` (the oldest go first).
+
+    Keys describe the call (kind, shapes, dtype, op or root), never a buffer's address: every
+    rank makes the same calls in the same order, so every rank creates (and evicts) the same
+    persistent operations at the same points. That matters: creating one is collective in MPI.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self.ops: dict[tuple, Persistent] = {}
+
+    def add(self, key: tuple, op: Persistent) -> Persistent:
+        """Keep ``op`` under ``key``, freeing the oldest operation when the cache is full."""
+        if len(self.ops) >= self.limit:
+            oldest = next(iter(self.ops))
+            self.ops.pop(oldest).req.Free()
+        self.ops[key] = op
+        return op
+
+    def forget(self, key: tuple) -> None:
+        """Drop an operation that may still be running (after a timeout): never start or free it again."""
+        op = self.ops.pop(key, None)
+        if op is not None:
+            _abandoned.append(op)
+
+    def close(self) -> None:
+        for op in self.ops.values():
+            op.req.Free()
+        self.ops.clear()
