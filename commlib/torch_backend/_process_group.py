@@ -1,0 +1,247 @@
+"""``CommlibProcessGroup``: a ``torch.distributed.ProcessGroup`` whose collectives run on a commlib group.
+
+torch calls the methods its Python ``ProcessGroup`` trampoline can forward
+(``allreduce``, ``broadcast``, ``allgather``, ``all_gather_single``,
+``reduce_scatter``, ``reduce_scatter_single``, their ``*_coalesced`` forms,
+``all_to_all_single``, ``barrier``, ``send``, ``recv``); each arrives with torch's
+options object. A call with ``opts.asyncOp`` False (torch's blocking API) runs
+commlib's blocking collective at once; otherwise the commlib Work goes to the
+progress thread (``_work``). Tensors go to commlib as they are: commlib views
+CPU tensors zero-copy through DLPack and validates them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import commlib
+from commlib.torch_backend._work import LOCK, TorchWork, completed, submit
+
+__all__ = ["CommlibProcessGroup", "reduce_op"]
+
+_OPS = {
+    name: getattr(commlib.ReduceOp, name) for name in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
+}
+
+
+def reduce_op(op: Any, where: str) -> commlib.ReduceOp:
+    """commlib's ReduceOp for torch's ``ReduceOp`` / ``RedOpType``; PREMUL_SUM is refused."""
+    kind = getattr(op, "op", op)  # a c10d ReduceOp carries its RedOpType in .op
+    name = getattr(kind, "name", str(kind)).rsplit(".", 1)[-1].upper()
+    if name in _OPS:
+        return _OPS[name]
+    raise ValueError(
+        f"{where}: op={name} is not supported by the commlib backend (supported: {', '.join(_OPS)}); "
+        "PREMUL_SUM: scale the tensor first and use SUM"
+    )
+
+
+def _seconds(timeout: Any) -> float:
+    """A torch timeout (timedelta; zero or negative means unset) as seconds, 0.0 when unset."""
+    if isinstance(timeout, datetime.timedelta):
+        return max(timeout.total_seconds(), 0.0)
+    return 0.0
+
+
+class CommlibProcessGroup(dist.ProcessGroup):
+    """torch's collectives, DDP, FSDP2 and DTensor over one commlib group (``None``: commlib's world)."""
+
+    def __init__(self, group: Any, rank: int, size: int, timeout: float) -> None:
+        super().__init__(rank, size)
+        self._group = group
+        self._timeout = timeout
+        self._name = ""
+        self._desc = ""
+
+    def __repr__(self) -> str:
+        return f"<CommlibProcessGroup rank {self.rank()}/{self.size()} on {self._group or 'commlib world'}>"
+
+    # -- identity (DeviceMesh and torch's registry need the name; camelCase: torch's C++ virtual names) --
+    def getBackendName(self) -> str:
+        """The backend's name, as registered with torch."""
+        return "commlib"
+
+    def getGroupName(self) -> str:
+        """The name torch gave this group."""
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        """Record the name torch gives this group."""
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        """The description torch gave this group."""
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        """Record the description torch gives this group."""
+        self._desc = desc
+
+    def abort(self) -> None:
+        """Nothing to do: a commlib group that failed is already fenced off."""
+
+    # -- running a call ----------------------------------------------------------------------------
+    def _issue(
+        self,
+        call: str,
+        opts: Any,
+        result: Any,
+        start: Callable[[bool], Any],
+        finish: Callable[[], None] | None = None,
+    ) -> TorchWork:
+        """Start a call (``start(async_op)`` returns commlib Work(s) or None) and wrap it in a torch Work."""
+        blocking = not getattr(opts, "asyncOp", True)
+        own = _seconds(getattr(opts, "timeout", None))
+        if blocking and (own == 0 or own == self._timeout):
+            with LOCK:
+                start(False)  # commlib's blocking call, bounded by the group's (torch's) timeout
+                if finish is not None:
+                    finish()
+            return completed(result, call)
+        with LOCK:
+            started = start(True)
+        works = [w for w in (started if isinstance(started, list) else [started]) if w is not None]
+        work = TorchWork(works, result, call, own or self._timeout, finish)
+        if blocking:
+            work.wait()
+        else:
+            submit(work)
+        return work
+
+    def _one(self, tensors: list, call: str) -> torch.Tensor:
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+            raise ValueError(
+                f"[rank {self.rank()}/{self.size()}] {call}: the commlib backend takes one tensor per call "
+                f"(one device per process), got {len(tensors) if isinstance(tensors, (list, tuple)) else tensors!r}"
+            )
+        return tensors[0]
+
+    # -- collectives -------------------------------------------------------------------------------
+    def allreduce(self, tensors: list, opts: Any) -> TorchWork:
+        """``dist.all_reduce``: reduce ``tensors[0]`` in place across the group."""
+        t, g = self._one(tensors, "all_reduce"), self._group
+        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] all_reduce")
+        return self._issue("all_reduce", opts, tensors, lambda a: commlib.all_reduce(t, op, group=g, async_op=a))
+
+    def allreduce_coalesced(self, tensors: list, opts: Any) -> TorchWork:
+        """Coalesced all_reduce: one flat buffer per dtype, one commlib all_reduce each."""
+        g = self._group
+        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] all_reduce_coalesced")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        flats = [(torch.cat([t.reshape(-1) for t in ts]), ts) for ts in by_dtype.values()]
+
+        def start(a: bool) -> list:
+            return [commlib.all_reduce(flat, op, group=g, async_op=a) for flat, _ in flats]
+
+        def finish() -> None:
+            for flat, ts in flats:
+                offset = 0
+                for t in ts:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+        return self._issue("all_reduce_coalesced", opts, tensors, start, finish)
+
+    def broadcast(self, tensors: list, opts: Any) -> TorchWork:
+        """``dist.broadcast``: copy ``tensors[0]`` from group rank ``opts.rootRank``."""
+        t, g, root = self._one(tensors, "broadcast"), self._group, opts.rootRank
+        return self._issue(
+            "broadcast", opts, tensors, lambda a: commlib.broadcast(t, group=g, async_op=a, group_src=root)
+        )
+
+    def allgather(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+        """``dist.all_gather``: every rank's tensor into ``output_tensors[0][rank]``."""
+        t, g = self._one(input_tensors, "all_gather"), self._group
+        outs = self._one(output_tensors, "all_gather")
+        return self._issue(
+            "all_gather", opts, output_tensors, lambda a: commlib.all_gather(outs, t, group=g, async_op=a)
+        )
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> TorchWork:
+        """``dist.all_gather_into_tensor``: every rank's ``input`` concatenated into ``output``."""
+        g = self._group
+        return self._issue(
+            "all_gather_into_tensor", opts, [output], lambda a: commlib.all_gather_into_tensor(output, input, g, a)
+        )
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> TorchWork:
+        """Coalesced all_gather_into_tensor: one commlib call per pair, completed together."""
+        g = self._group
+        self._pairs("all_gather_into_tensor_coalesced", outputs, inputs)
+
+        def start(a: bool) -> list:
+            return [commlib.all_gather_into_tensor(o, i, g, a) for o, i in zip(outputs, inputs, strict=True)]
+
+        return self._issue("all_gather_into_tensor_coalesced", opts, outputs, start)
+
+    def reduce_scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+        """``dist.reduce_scatter``: reduce ``input_tensors[0][i]`` into rank i's ``output_tensors[0]``."""
+        out, ins, g = (
+            self._one(output_tensors, "reduce_scatter"),
+            self._one(input_tensors, "reduce_scatter"),
+            self._group,
+        )
+        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] reduce_scatter")
+        return self._issue("reduce_scatter", opts, output_tensors, lambda a: commlib.reduce_scatter(out, ins, op, g, a))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> TorchWork:
+        """``dist.reduce_scatter_tensor``: reduce ``input``; chunk ``rank`` of the result into ``output``."""
+        g = self._group
+        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] reduce_scatter_tensor")
+        return self._issue(
+            "reduce_scatter_tensor", opts, [output], lambda a: commlib.reduce_scatter_tensor(output, input, op, g, a)
+        )
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> TorchWork:
+        """Coalesced reduce_scatter_tensor: one commlib call per pair, completed together."""
+        g = self._group
+        self._pairs("reduce_scatter_tensor_coalesced", outputs, inputs)
+        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] reduce_scatter_tensor_coalesced")
+
+        def start(a: bool) -> list:
+            return [commlib.reduce_scatter_tensor(o, i, op, g, a) for o, i in zip(outputs, inputs, strict=True)]
+
+        return self._issue("reduce_scatter_tensor_coalesced", opts, outputs, start)
+
+    def alltoall_base(
+        self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list, input_split_sizes: list, opts: Any
+    ) -> TorchWork:
+        """``dist.all_to_all_single`` (uneven splits along dim 0)."""
+        g, out_s, in_s = self._group, list(output_split_sizes), list(input_split_sizes)
+        return self._issue(
+            "all_to_all_single", opts, [output], lambda a: commlib.all_to_all_single(output, input, out_s, in_s, g, a)
+        )
+
+    def barrier(self, opts: Any = None) -> TorchWork:
+        """``dist.barrier``: wait until every rank of the group has called it."""
+        g = self._group
+        return self._issue("barrier", opts, [], lambda a: commlib.barrier(group=g, async_op=a))
+
+    # -- point-to-point ----------------------------------------------------------------------------
+    def send(self, tensors: list, dst: int, tag: int) -> TorchWork:
+        """``dist.send``/``isend`` to group rank ``dst``; completes inside ``wait()`` or on the progress thread."""
+        t, g = self._one(tensors, "send"), self._group
+        return self._issue("send", None, tensors, lambda a: commlib.isend(t, group=g, tag=tag, group_dst=dst))
+
+    def recv(self, tensors: list, src: int, tag: int) -> TorchWork:
+        """``dist.recv``/``irecv`` from group rank ``src``."""
+        t, g = self._one(tensors, "recv"), self._group
+        return self._issue("recv", None, tensors, lambda a: commlib.irecv(t, group=g, tag=tag, group_src=src))
+
+    def _pairs(self, call: str, outputs: list, inputs: list) -> None:
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"[rank {self.rank()}/{self.size()}] {call}: outputs and inputs must pair up, "
+                f"got {len(outputs)} outputs and {len(inputs)} inputs"
+            )

@@ -1,0 +1,168 @@
+"""torch ``Work`` objects over commlib ``Work``, and the progress thread that completes them.
+
+Every call from torch arrives holding the GIL, and MPI moves a nonblocking
+collective forward only while somebody tests it. An asynchronous op is
+therefore handed to one progress thread per process, which tests the pending
+commlib Works (MPI releases the GIL inside each test) and completes each torch
+Work's future as soon as its commlib Works are done: DDP's bucket all-reduces
+run while backward computes, and DDP's future callbacks run without anybody
+calling ``wait()``. commlib's groups are not thread-safe, so every call into
+commlib from this package holds :data:`LOCK`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LOCK", "TorchWork", "completed", "submit"]
+
+#: Serialises every call into commlib made by the torch backend (callers and the progress thread).
+LOCK = threading.RLock()
+
+_SPIN_S = 0.0002  # a waiting caller polls without sleeping this long (small messages finish within it)
+_NAP_S = 0.00005  # then, and in the progress thread, it sleeps this long between polls
+
+
+class TorchWork(dist.Work):
+    """A ``torch.distributed.Work`` whose completion is that of one or more commlib Works."""
+
+    def __init__(
+        self,
+        works: list[Any],
+        result: Any,
+        call: str,
+        timeout: float,
+        finish: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._works = works  # commlib Works, completed in order
+        self._result = result  # the future's value: the output tensors
+        self._finish = finish  # copy-out run once, after the commlib Works complete
+        self._call = call
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._future: torch.futures.Future = torch.futures.Future()
+
+    def __repr__(self) -> str:
+        return f"<commlib TorchWork {self._call} {'completed' if self._done.is_set() else 'pending'}>"
+
+    def _poll(self) -> bool:
+        """Test once (takes the lock); complete the work when its commlib Works are done. True once done."""
+        if self._done.is_set():
+            return True
+        with LOCK:
+            if self._done.is_set():
+                return True
+            try:
+                while self._works and self._works[0].is_completed():
+                    self._works.pop(0)
+                if self._works and time.monotonic() > self._deadline:
+                    self._works[0].wait(timeout=1e-6)  # commlib's CommTimeoutError: ranks, call, sequence number
+                if self._works:
+                    return False
+                if self._finish is not None:
+                    self._finish()
+            except BaseException as e:  # reported through wait() and the future
+                self._error = e
+            self._done.set()
+        self._settle()
+        return True
+
+    def _settle(self) -> None:
+        # Outside the lock: a future callback (a DDP comm hook) may issue the next collective.
+        if self._error is not None:
+            self._future.set_exception(self._error)
+        else:
+            self._future.set_result(self._result)
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the operation completes (True); raise commlib's error if it failed or timed out."""
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else (timeout or 0)
+        if seconds > 0:
+            self._deadline = min(self._deadline, time.monotonic() + seconds)
+        start = time.monotonic()
+        while not self._poll():
+            if time.monotonic() - start > _SPIN_S:
+                time.sleep(_NAP_S)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the operation is complete; never blocks."""
+        return self._poll()
+
+    def exception(self) -> BaseException | None:
+        """The error the operation failed with, or None."""
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the output tensors (DDP chains its bucket handling on it)."""
+        return self._future
+
+
+def completed(result: Any, call: str) -> TorchWork:
+    """A Work for an operation that already finished (blocking calls, size-1 groups)."""
+    work = TorchWork([], result, call, 1.0)
+    work._done.set()
+    work._future.set_result(result)
+    return work
+
+
+class _Progress:
+    """The thread that completes asynchronous Works without their callers."""
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[TorchWork] = collections.deque()
+        self.wake = threading.Condition(threading.Lock())
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    def submit(self, work: TorchWork) -> None:
+        with self.wake:
+            self.pending.append(work)
+            if self.thread is None:
+                self.stopping = False
+                self.thread = threading.Thread(target=self._run, name="commlib-torch-progress", daemon=True)
+                self.thread.start()
+                atexit.register(self.stop)  # before MPI finalises (mpi4py's handler was registered earlier)
+            self.wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.wake:
+                while not self.pending and not self.stopping:
+                    self.wake.wait()
+                if self.stopping:
+                    return
+                works = list(self.pending)
+            done = [w for w in works if w._poll()]
+            with self.wake:
+                for w in done:
+                    self.pending.remove(w)
+            if len(done) < len(works):
+                time.sleep(_NAP_S)
+
+    def stop(self) -> None:
+        """Stop the thread (at exit, or when the process group is destroyed); pending Works stay pending."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+            thread, self.thread = self.thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+
+_progress = _Progress()
+submit = _progress.submit
+stop = _progress.stop
