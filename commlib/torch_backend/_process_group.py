@@ -57,6 +57,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._name = ""
         self._desc = ""
+        self._label = f"[rank {rank}/{size}] "
 
     def __repr__(self) -> str:
         return f"<CommlibProcessGroup rank {self.rank()}/{self.size()} on {self._group or 'commlib world'}>"
@@ -116,7 +117,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def _one(self, tensors: list, call: str) -> torch.Tensor:
         if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
             raise ValueError(
-                f"[rank {self.rank()}/{self.size()}] {call}: the commlib backend takes one tensor per call "
+                f"{self._label}{call}: the commlib backend takes one tensor per call "
                 f"(one device per process), got {len(tensors) if isinstance(tensors, (list, tuple)) else tensors!r}"
             )
         return tensors[0]
@@ -125,13 +126,13 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list, opts: Any) -> TorchWork:
         """``dist.all_reduce``: reduce ``tensors[0]`` in place across the group."""
         t, g = self._one(tensors, "all_reduce"), self._group
-        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] all_reduce")
+        op = reduce_op(opts.reduceOp, f"{self._label}all_reduce")
         return self._issue("all_reduce", opts, tensors, lambda a: commlib.all_reduce(t, op, group=g, async_op=a))
 
     def allreduce_coalesced(self, tensors: list, opts: Any) -> TorchWork:
         """Coalesced all_reduce: one flat buffer per dtype, one commlib all_reduce each."""
         g = self._group
-        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] all_reduce_coalesced")
+        op = reduce_op(opts.reduceOp, f"{self._label}all_reduce_coalesced")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -190,13 +191,13 @@ class CommlibProcessGroup(dist.ProcessGroup):
             self._one(input_tensors, "reduce_scatter"),
             self._group,
         )
-        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] reduce_scatter")
+        op = reduce_op(opts.reduceOp, f"{self._label}reduce_scatter")
         return self._issue("reduce_scatter", opts, output_tensors, lambda a: commlib.reduce_scatter(out, ins, op, g, a))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> TorchWork:
         """``dist.reduce_scatter_tensor``: reduce ``input``; chunk ``rank`` of the result into ``output``."""
         g = self._group
-        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] reduce_scatter_tensor")
+        op = reduce_op(opts.reduceOp, f"{self._label}reduce_scatter_tensor")
         return self._issue(
             "reduce_scatter_tensor", opts, [output], lambda a: commlib.reduce_scatter_tensor(output, input, op, g, a)
         )
@@ -207,7 +208,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         """Coalesced reduce_scatter_tensor: one commlib call per pair, completed together."""
         g = self._group
         self._pairs("reduce_scatter_tensor_coalesced", outputs, inputs)
-        op = reduce_op(opts.reduceOp, f"[rank {self.rank()}/{self.size()}] reduce_scatter_tensor_coalesced")
+        op = reduce_op(opts.reduceOp, f"{self._label}reduce_scatter_tensor_coalesced")
 
         def start(a: bool) -> list:
             return [commlib.reduce_scatter_tensor(o, i, op, g, a) for o, i in zip(outputs, inputs, strict=True)]
@@ -228,6 +229,43 @@ class CommlibProcessGroup(dist.ProcessGroup):
         g = self._group
         return self._issue("barrier", opts, [], lambda a: commlib.barrier(group=g, async_op=a))
 
+    # -- reached only from torch's Python API (torch's C++ trampoline cannot forward them) ------------
+    def reduce(self, tensors: list, opts: Any) -> TorchWork:
+        """``dist.reduce``: reduce ``tensors[0]`` into group rank ``opts.rootRank``."""
+        t, g, root = self._one(tensors, "reduce"), self._group, opts.rootRank
+        op = reduce_op(opts.reduceOp, f"{self._label}reduce")
+        return self._issue("reduce", opts, tensors, lambda a: commlib.reduce(t, None, op, g, a, group_dst=root))
+
+    def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+        """``dist.gather``: every rank's tensor into ``output_tensors[0]`` on group rank ``opts.rootRank``."""
+        t, g, root = self._one(input_tensors, "gather"), self._group, opts.rootRank
+        outs = self._one(output_tensors, "gather") if output_tensors else None
+        return self._issue(
+            "gather", opts, output_tensors, lambda a: commlib.gather(t, outs, None, g, a, group_dst=root)
+        )
+
+    def scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+        """``dist.scatter``: ``input_tensors[0][i]`` from group rank ``opts.rootRank`` into rank i's tensor."""
+        t, g, root = self._one(output_tensors, "scatter"), self._group, opts.rootRank
+        ins = self._one(input_tensors, "scatter") if input_tensors else None
+        return self._issue(
+            "scatter", opts, output_tensors, lambda a: commlib.scatter(t, ins, None, g, a, group_src=root)
+        )
+
+    def alltoall(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+        """``dist.all_to_all``: ``input_tensors[i]`` to rank i, rank i's into ``output_tensors[i]``."""
+        g = self._group
+        return self._issue(
+            "all_to_all", opts, output_tensors, lambda a: commlib.all_to_all(output_tensors, input_tensors, g, a)
+        )
+
+    def recv_anysource(self, tensors: list, tag: int) -> TorchWork:
+        """``dist.recv(src=None)``: receive from whichever rank sends first; the Work knows the source."""
+        t, g = self._one(tensors, "recv"), self._group
+        work = self._issue("recv", None, tensors, lambda a: commlib.irecv(t, group=g, tag=tag))
+        work._source = lambda w: w.source_rank() if g is None else commlib.get_group_rank(g, w.source_rank())
+        return work
+
     # -- point-to-point ----------------------------------------------------------------------------
     def send(self, tensors: list, dst: int, tag: int) -> TorchWork:
         """``dist.send``/``isend`` to group rank ``dst``; completes inside ``wait()`` or on the progress thread."""
@@ -242,6 +280,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def _pairs(self, call: str, outputs: list, inputs: list) -> None:
         if len(outputs) != len(inputs):
             raise ValueError(
-                f"[rank {self.rank()}/{self.size()}] {call}: outputs and inputs must pair up, "
+                f"{self._label}{call}: outputs and inputs must pair up, "
                 f"got {len(outputs)} outputs and {len(inputs)} inputs"
             )

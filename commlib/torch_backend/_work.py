@@ -52,6 +52,8 @@ class TorchWork(dist.Work):
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._future: torch.futures.Future = torch.futures.Future()
+        self._source: Callable[[Any], int] | None = None  # recv from any source: commlib Work -> group rank
+        self._last = works[-1] if works else None
 
     def __repr__(self) -> str:
         return f"<commlib TorchWork {self._call} {'completed' if self._done.is_set() else 'pending'}>"
@@ -105,6 +107,15 @@ class TorchWork(dist.Work):
     def exception(self) -> BaseException | None:
         """The error the operation failed with, or None."""
         return self._error
+
+    def _source_rank(self) -> int:
+        """For ``recv(src=None)``: the group rank the message came from (torch's name)."""
+        self.wait()
+        if self._source is None:
+            raise ValueError(f"{self._call}: source_rank() is only defined for a receive from any source")
+        return self._source(self._last)
+
+    source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future:
         """A future completed with the output tensors (DDP chains its bucket handling on it)."""
