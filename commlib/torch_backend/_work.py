@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import commlib
+
 __all__ = ["LOCK", "TorchWork", "completed", "submit"]
 
 #: Serialises every call into commlib made by the torch backend (callers and the progress thread).
@@ -29,6 +31,7 @@ LOCK = threading.RLock()
 
 _SPIN_S = 0.0002  # a waiting caller polls without sleeping this long (small messages finish within it)
 _NAP_S = 0.00005  # then, and in the progress thread, it sleeps this long between polls
+_LAST_LOOK_S = 0.001  # past its deadline, a Work gets this last wait in commlib, which then raises its timeout error
 
 
 class TorchWork(dist.Work):
@@ -51,6 +54,7 @@ class TorchWork(dist.Work):
         self._deadline = time.monotonic() + timeout
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._claimed = False  # set (under LOCK) by the one thread that completes the work
         self._future: torch.futures.Future = torch.futures.Future()
         self._source: Callable[[Any], int] | None = None  # recv from any source: commlib Work -> group rank
         self._last = works[-1] if works else None
@@ -63,29 +67,37 @@ class TorchWork(dist.Work):
         if self._done.is_set():
             return True
         with LOCK:
-            if self._done.is_set():
-                return True
+            if self._claimed:  # another thread is completing it: done in a moment
+                return False
             try:
                 while self._works and self._works[0].is_completed():
                     self._works.pop(0)
                 if self._works and time.monotonic() > self._deadline:
-                    self._works[0].wait(timeout=1e-6)  # commlib's CommTimeoutError: ranks, call, sequence number
+                    self._expire()
                 if self._works:
                     return False
                 if self._finish is not None:
                     self._finish()
             except BaseException as e:  # reported through wait() and the future
                 self._error = e
-            self._done.set()
-        self._settle()
-        return True
-
-    def _settle(self) -> None:
+            self._claimed = True
         # Outside the lock: a future callback (a DDP comm hook) may issue the next collective.
         if self._error is not None:
             self._future.set_exception(self._error)
         else:
             self._future.set_result(self._result)
+        self._done.set()  # only now: whoever waited may read the future's value
+        return True
+
+    def _expire(self) -> None:
+        """Raise commlib's ``CommTimeoutError`` (call, sequence number, group, ranks that arrived); breaks the group."""
+        try:
+            self._works[0].wait(timeout=_LAST_LOOK_S)
+        except commlib.CommTimeoutError as e:  # commlib waited only for its last look: say how long the op had
+            said = f"within {_LAST_LOOK_S:g} s"
+            if said not in str(e):
+                raise
+            raise commlib.CommTimeoutError(str(e).replace(said, f"within {self._timeout:g} s")) from None
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until the operation completes (True); raise commlib's error if it failed or timed out."""
@@ -125,8 +137,9 @@ class TorchWork(dist.Work):
 def completed(result: Any, call: str) -> TorchWork:
     """A Work for an operation that already finished (blocking calls, size-1 groups)."""
     work = TorchWork([], result, call, 1.0)
-    work._done.set()
+    work._claimed = True
     work._future.set_result(result)
+    work._done.set()
     return work
 
 
