@@ -29,9 +29,15 @@ _OPS = {
 }
 
 
+_BY_TYPE = {getattr(dist.ReduceOp.RedOpType, name): op for name, op in _OPS.items()}  # the hot path: one dict hit
+
+
 def reduce_op(op: Any, where: str) -> commlib.ReduceOp:
     """commlib's ReduceOp for torch's ``ReduceOp`` / ``RedOpType``; PREMUL_SUM is refused."""
     kind = getattr(op, "op", op)  # a c10d ReduceOp carries its RedOpType in .op
+    found = _BY_TYPE.get(kind)
+    if found is not None:
+        return found
     name = getattr(kind, "name", str(kind)).rsplit(".", 1)[-1].upper()
     if name in _OPS:
         return _OPS[name]
@@ -94,16 +100,16 @@ class CommlibProcessGroup(dist.ProcessGroup):
         result: Any,
         start: Callable[[bool], Any],
         finish: Callable[[], None] | None = None,
-    ) -> TorchWork:
+    ) -> dist.Work:
         """Start a call (``start(async_op)`` returns commlib Work(s) or None) and wrap it in a torch Work."""
-        blocking = not getattr(opts, "asyncOp", True)
-        own = _seconds(getattr(opts, "timeout", None))
+        blocking = opts is not None and not opts.asyncOp
+        own = _seconds(opts.timeout) if opts is not None else 0.0
         if blocking and (own == 0 or own == self._timeout):
             with LOCK:
                 start(False)  # commlib's blocking call, bounded by the group's (torch's) timeout
                 if finish is not None:
                     finish()
-            return completed(result, call)
+            return completed(result)
         with LOCK:
             started = start(True)
         works = [w for w in (started if isinstance(started, list) else [started]) if w is not None]
@@ -115,6 +121,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return work
 
     def _one(self, tensors: list, call: str) -> torch.Tensor:
+        if type(tensors) is list and len(tensors) == 1:
+            return tensors[0]
         if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
             raise ValueError(
                 f"{self._label}{call}: the commlib backend takes one tensor per call "
@@ -123,13 +131,17 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return tensors[0]
 
     # -- collectives -------------------------------------------------------------------------------
-    def allreduce(self, tensors: list, opts: Any) -> TorchWork:
+    def allreduce(self, tensors: list, opts: Any) -> dist.Work:
         """``dist.all_reduce``: reduce ``tensors[0]`` in place across the group."""
         t, g = self._one(tensors, "all_reduce"), self._group
-        op = reduce_op(opts.reduceOp, f"{self._label}all_reduce")
+        op = _BY_TYPE.get(opts.reduceOp.op) or reduce_op(opts.reduceOp, f"{self._label}all_reduce")
+        if not opts.asyncOp and opts.timeout.total_seconds() <= 0:  # the latency-critical blocking call, inline
+            with LOCK:
+                commlib.all_reduce(t, op, group=g)
+            return completed(tensors)
         return self._issue("all_reduce", opts, tensors, lambda a: commlib.all_reduce(t, op, group=g, async_op=a))
 
-    def allreduce_coalesced(self, tensors: list, opts: Any) -> TorchWork:
+    def allreduce_coalesced(self, tensors: list, opts: Any) -> dist.Work:
         """Coalesced all_reduce: one flat buffer per dtype, one commlib all_reduce each."""
         g = self._group
         op = reduce_op(opts.reduceOp, f"{self._label}all_reduce_coalesced")
@@ -150,14 +162,14 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
         return self._issue("all_reduce_coalesced", opts, tensors, start, finish)
 
-    def broadcast(self, tensors: list, opts: Any) -> TorchWork:
+    def broadcast(self, tensors: list, opts: Any) -> dist.Work:
         """``dist.broadcast``: copy ``tensors[0]`` from group rank ``opts.rootRank``."""
         t, g, root = self._one(tensors, "broadcast"), self._group, opts.rootRank
         return self._issue(
             "broadcast", opts, tensors, lambda a: commlib.broadcast(t, group=g, async_op=a, group_src=root)
         )
 
-    def allgather(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+    def allgather(self, output_tensors: list, input_tensors: list, opts: Any) -> dist.Work:
         """``dist.all_gather``: every rank's tensor into ``output_tensors[0][rank]``."""
         t, g = self._one(input_tensors, "all_gather"), self._group
         outs = self._one(output_tensors, "all_gather")
@@ -165,7 +177,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
             "all_gather", opts, output_tensors, lambda a: commlib.all_gather(outs, t, group=g, async_op=a)
         )
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> TorchWork:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         """``dist.all_gather_into_tensor``: every rank's ``input`` concatenated into ``output``."""
         g = self._group
         return self._issue(
@@ -174,7 +186,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> TorchWork:
+    def allgather_into_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> dist.Work:
         """Coalesced all_gather_into_tensor: one commlib call per pair, completed together."""
         g = self._group
         self._pairs("all_gather_into_tensor_coalesced", outputs, inputs)
@@ -184,7 +196,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
         return self._issue("all_gather_into_tensor_coalesced", opts, outputs, start)
 
-    def reduce_scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+    def reduce_scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> dist.Work:
         """``dist.reduce_scatter``: reduce ``input_tensors[0][i]`` into rank i's ``output_tensors[0]``."""
         out, ins, g = (
             self._one(output_tensors, "reduce_scatter"),
@@ -194,7 +206,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         op = reduce_op(opts.reduceOp, f"{self._label}reduce_scatter")
         return self._issue("reduce_scatter", opts, output_tensors, lambda a: commlib.reduce_scatter(out, ins, op, g, a))
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> TorchWork:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         """``dist.reduce_scatter_tensor``: reduce ``input``; chunk ``rank`` of the result into ``output``."""
         g = self._group
         op = reduce_op(opts.reduceOp, f"{self._label}reduce_scatter_tensor")
@@ -204,7 +216,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> TorchWork:
+    def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, opts: Any) -> dist.Work:
         """Coalesced reduce_scatter_tensor: one commlib call per pair, completed together."""
         g = self._group
         self._pairs("reduce_scatter_tensor_coalesced", outputs, inputs)
@@ -217,26 +229,26 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     def alltoall_base(
         self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list, input_split_sizes: list, opts: Any
-    ) -> TorchWork:
+    ) -> dist.Work:
         """``dist.all_to_all_single`` (uneven splits along dim 0)."""
         g, out_s, in_s = self._group, list(output_split_sizes), list(input_split_sizes)
         return self._issue(
             "all_to_all_single", opts, [output], lambda a: commlib.all_to_all_single(output, input, out_s, in_s, g, a)
         )
 
-    def barrier(self, opts: Any = None) -> TorchWork:
+    def barrier(self, opts: Any = None) -> dist.Work:
         """``dist.barrier``: wait until every rank of the group has called it."""
         g = self._group
         return self._issue("barrier", opts, [], lambda a: commlib.barrier(group=g, async_op=a))
 
     # -- reached only from torch's Python API (torch's C++ trampoline cannot forward them) ------------
-    def reduce(self, tensors: list, opts: Any) -> TorchWork:
+    def reduce(self, tensors: list, opts: Any) -> dist.Work:
         """``dist.reduce``: reduce ``tensors[0]`` into group rank ``opts.rootRank``."""
         t, g, root = self._one(tensors, "reduce"), self._group, opts.rootRank
         op = reduce_op(opts.reduceOp, f"{self._label}reduce")
         return self._issue("reduce", opts, tensors, lambda a: commlib.reduce(t, None, op, g, a, group_dst=root))
 
-    def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+    def gather(self, output_tensors: list, input_tensors: list, opts: Any) -> dist.Work:
         """``dist.gather``: every rank's tensor into ``output_tensors[0]`` on group rank ``opts.rootRank``."""
         t, g, root = self._one(input_tensors, "gather"), self._group, opts.rootRank
         outs = self._one(output_tensors, "gather") if output_tensors else None
@@ -244,7 +256,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
             "gather", opts, output_tensors, lambda a: commlib.gather(t, outs, None, g, a, group_dst=root)
         )
 
-    def scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+    def scatter(self, output_tensors: list, input_tensors: list, opts: Any) -> dist.Work:
         """``dist.scatter``: ``input_tensors[0][i]`` from group rank ``opts.rootRank`` into rank i's tensor."""
         t, g, root = self._one(output_tensors, "scatter"), self._group, opts.rootRank
         ins = self._one(input_tensors, "scatter") if input_tensors else None
@@ -252,14 +264,14 @@ class CommlibProcessGroup(dist.ProcessGroup):
             "scatter", opts, output_tensors, lambda a: commlib.scatter(t, ins, None, g, a, group_src=root)
         )
 
-    def alltoall(self, output_tensors: list, input_tensors: list, opts: Any) -> TorchWork:
+    def alltoall(self, output_tensors: list, input_tensors: list, opts: Any) -> dist.Work:
         """``dist.all_to_all``: ``input_tensors[i]`` to rank i, rank i's into ``output_tensors[i]``."""
         g = self._group
         return self._issue(
             "all_to_all", opts, output_tensors, lambda a: commlib.all_to_all(output_tensors, input_tensors, g, a)
         )
 
-    def recv_anysource(self, tensors: list, tag: int) -> TorchWork:
+    def recv_anysource(self, tensors: list, tag: int) -> dist.Work:
         """``dist.recv(src=None)``: receive from whichever rank sends first; the Work knows the source."""
         t, g = self._one(tensors, "recv"), self._group
         work = self._issue("recv", None, tensors, lambda a: commlib.irecv(t, group=g, tag=tag))
@@ -267,12 +279,12 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return work
 
     # -- point-to-point ----------------------------------------------------------------------------
-    def send(self, tensors: list, dst: int, tag: int) -> TorchWork:
+    def send(self, tensors: list, dst: int, tag: int) -> dist.Work:
         """``dist.send``/``isend`` to group rank ``dst``; completes inside ``wait()`` or on the progress thread."""
         t, g = self._one(tensors, "send"), self._group
         return self._issue("send", None, tensors, lambda a: commlib.isend(t, group=g, tag=tag, group_dst=dst))
 
-    def recv(self, tensors: list, src: int, tag: int) -> TorchWork:
+    def recv(self, tensors: list, src: int, tag: int) -> dist.Work:
         """``dist.recv``/``irecv`` from group rank ``src``."""
         t, g = self._one(tensors, "recv"), self._group
         return self._issue("recv", None, tensors, lambda a: commlib.irecv(t, group=g, tag=tag, group_src=src))

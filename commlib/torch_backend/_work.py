@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import commlib
 
-__all__ = ["LOCK", "TorchWork", "completed", "submit"]
+__all__ = ["LOCK", "DoneWork", "TorchWork", "completed", "submit"]
 
 #: Serialises every call into commlib made by the torch backend (callers and the progress thread).
 LOCK = threading.RLock()
@@ -134,13 +134,32 @@ class TorchWork(dist.Work):
         return self._future
 
 
-def completed(result: Any, call: str) -> TorchWork:
-    """A Work for an operation that already finished (blocking calls, size-1 groups)."""
-    work = TorchWork([], result, call, 1.0)
-    work._claimed = True
-    work._future.set_result(result)
-    work._done.set()
-    return work
+class DoneWork(dist.Work):
+    """The Work of a call that finished before it returned (torch's blocking API): nothing to wait for."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Return True: the operation is complete."""
+        return True
+
+    def is_completed(self) -> bool:
+        """True."""
+        return True
+
+    def exception(self) -> None:
+        """None: the operation succeeded."""
+
+    def get_future(self) -> torch.futures.Future:
+        """A completed future holding the output tensors."""
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
+completed = DoneWork
 
 
 class _Progress:
