@@ -1,4 +1,4 @@
-"""The "commlib" torch backend: how it is registered, and what bad input and a missing peer give."""
+"""The "commlib" torch backend: registration, bad input, a missing peer, and the example under the launcher."""
 
 from __future__ import annotations
 
@@ -117,3 +117,14 @@ def test_bad_input_and_a_missing_peer_give_clear_errors() -> None:
     for name in ("async peer never arrives", "blocking peer never arrives"):
         assert got[name].startswith("CommTimeoutError: [rank 0/2] all_reduce (call #"), (name, got[name])
         assert "did not complete within 3 s" in got[name] and "not arrived: ranks [1]" in got[name], got[name]
+
+
+def test_example_torch_ddp_on_commlib_under_the_launcher() -> None:
+    port = free_port_env()["MASTER_PORT"]
+    example = ROOT / "examples" / "torch_ddp_commlib_backend.py"
+    cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "--master_port", port, str(example)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[{rank}] backend commlib, 2 ranks: w = [2.0000, 3.0000]" in proc.stdout, proc.stdout[-2000:]
