@@ -128,3 +128,22 @@ def test_example_torch_ddp_on_commlib_under_the_launcher() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"[{rank}] backend commlib, 2 ranks: w = [2.0000, 3.0000]" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_backend_uses_only_commlibs_public_api() -> None:
+    """commlib/torch_backend imports commlib's public names and its own modules, nothing private of commlib."""
+    import ast
+
+    bad = []
+    for path in sorted((ROOT / "commlib" / "torch_backend").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "commlib" and parts[1:2] != ["torch_backend"] and any(p.startswith("_") for p in parts):
+                    bad.append(f"{path.name} imports {name}")
+                if parts[0] == "mpi4py":
+                    bad.append(f"{path.name} imports {name}")
+    assert bad == []
