@@ -222,7 +222,7 @@ def _p2p(n: int, r: int) -> dict:
     }
 
 
-def collectives_job() -> dict:
+def collectives_job(skip: tuple[str, ...] = ()) -> dict:
     import datetime
 
     import torch.distributed as dist
@@ -232,6 +232,8 @@ def collectives_job() -> dict:
     gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
     problems = {}
     for name, (fn, want, with_gloo) in _scenarios(n, r).items():
+        if name in skip:
+            continue
         try:
             got = fn(None)
             theirs = fn(gloo) if with_gloo else got
@@ -251,3 +253,34 @@ def test_torch_collectives_match_numpy_and_gloo(n: int) -> None:
     results = run(collectives_job, n, timeout=120, env=free_port_env())
     for rank, problems in enumerate(results):
         assert problems == {}, f"rank {rank}: {problems}"
+
+
+# What NCCL itself refuses (commlib says so with a TypeError / ValueError naming the call).
+NCCL_REFUSES = ("all_reduce BXOR int32", "send / recv(any source)")
+
+
+def test_torch_collectives_on_the_nccl_backend_through_the_emulator() -> None:
+    """The nccl backend's code path (CUDA tensors on a GPU) with CPU tensors on commlib's NCCL emulator."""
+    env = {**free_port_env(), "COMMLIB_NCCL_EMULATOR": "1"}
+    for rank, problems in enumerate(run(collectives_job, 2, NCCL_REFUSES, timeout=120, env=env)):
+        assert problems == {}, f"rank {rank}: {problems}"
+
+
+def cuda_ddp_job() -> list:
+    import torch
+
+    torch.cuda.set_device(int(os.environ.get("MPI_LOCALRANKID", os.environ["PMI_RANK"])) % torch.cuda.device_count())
+    init_torch()  # commlib picks nccl: a GPU is usable
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2).cuda())
+    model(torch.randn(3, 4, device="cuda")).sum().backward()
+    t = torch.ones(4, device="cuda")
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+@pytest.mark.gpu
+def test_torch_ddp_on_cuda_tensors_over_nccl() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a CUDA GPU visible to torch")
+    assert run(cuda_ddp_job, 2, timeout=180, env=free_port_env()) == [[2.0] * 4] * 2

@@ -64,6 +64,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._label = f"[rank {rank}/{size}] "
+        self._batch_p2p = commlib.get_backend(group) == "nccl"  # see _point_to_point
+        self._queued: list[tuple[TorchWork, Any]] = []
 
     def __repr__(self) -> str:
         return f"<CommlibProcessGroup rank {self.rank()}/{self.size()} on {self._group or 'commlib world'}>"
@@ -102,6 +104,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         finish: Callable[[], None] | None = None,
     ) -> dist.Work:
         """Start a call (``start(async_op)`` returns commlib Work(s) or None) and wrap it in a torch Work."""
+        if self._queued:  # point-to-point ops issued earlier go first
+            self._post_queued()
         blocking = opts is not None and not opts.asyncOp
         own = _seconds(opts.timeout) if opts is not None else 0.0
         if blocking and (own == 0 or own == self._timeout):
@@ -281,13 +285,32 @@ class CommlibProcessGroup(dist.ProcessGroup):
     # -- point-to-point ----------------------------------------------------------------------------
     def send(self, tensors: list, dst: int, tag: int) -> dist.Work:
         """``dist.send``/``isend`` to group rank ``dst``; completes inside ``wait()`` or on the progress thread."""
-        t, g = self._one(tensors, "send"), self._group
-        return self._issue("send", None, tensors, lambda a: commlib.isend(t, group=g, tag=tag, group_dst=dst))
+        return self._point_to_point("send", tensors, dst, tag)
 
     def recv(self, tensors: list, src: int, tag: int) -> dist.Work:
         """``dist.recv``/``irecv`` from group rank ``src``."""
-        t, g = self._one(tensors, "recv"), self._group
-        return self._issue("recv", None, tensors, lambda a: commlib.irecv(t, group=g, tag=tag, group_src=src))
+        return self._point_to_point("recv", tensors, src, tag)
+
+    def _point_to_point(self, call: str, tensors: list, peer: int, tag: int) -> dist.Work:
+        t, g = self._one(tensors, call), self._group
+        fn, key = (commlib.isend, "group_dst") if call == "send" else (commlib.irecv, "group_src")
+        if not self._batch_p2p:
+            return self._issue(call, None, tensors, lambda a: fn(t, group=g, tag=tag, **{key: peer}))
+        # NCCL runs one rank's sends and receives in issue order, and torch hands over batch_isend_irecv's
+        # ops one by one: a ring would deadlock. Queue them; the first wait() posts the queue as one batch.
+        work = TorchWork([], tensors, call, self._timeout)
+        work._before = self._post_queued
+        self._queued.append((work, commlib.P2POp(fn, t, group=g, tag=tag, group_peer=peer)))
+        return work
+
+    def _post_queued(self) -> None:
+        """Post the queued point-to-point ops as one ``commlib.batch_isend_irecv`` (nccl groups)."""
+        with LOCK:
+            queued, self._queued = self._queued, []
+            if queued:
+                works = commlib.batch_isend_irecv([op for _, op in queued])
+                for (work, _), posted in zip(queued, works, strict=True):
+                    work._works.append(posted)
 
     def _pairs(self, call: str, outputs: list, inputs: list) -> None:
         if len(outputs) != len(inputs):

@@ -58,6 +58,7 @@ class TorchWork(dist.Work):
         self._future: torch.futures.Future = torch.futures.Future()
         self._source: Callable[[Any], int] | None = None  # recv from any source: commlib Work -> group rank
         self._last = works[-1] if works else None
+        self._before: Callable[[], None] | None = None  # posts this work first (queued nccl point-to-point)
 
     def __repr__(self) -> str:
         return f"<commlib TorchWork {self._call} {'completed' if self._done.is_set() else 'pending'}>"
@@ -66,6 +67,8 @@ class TorchWork(dist.Work):
         """Test once (takes the lock); complete the work when its commlib Works are done. True once done."""
         if self._done.is_set():
             return True
+        if self._before is not None:
+            self._before()
         with LOCK:
             if self._claimed:  # another thread is completing it: done in a moment
                 return False
