@@ -307,10 +307,16 @@ class CommlibProcessGroup(dist.ProcessGroup):
         """Post the queued point-to-point ops as one ``commlib.batch_isend_irecv`` (nccl groups)."""
         with LOCK:
             queued, self._queued = self._queued, []
-            if queued:
+            if not queued:
+                return
+            try:
                 works = commlib.batch_isend_irecv([op for _, op in queued])
-                for (work, _), posted in zip(queued, works, strict=True):
-                    work._works.append(posted)
+            except Exception as e:  # nothing was posted: every queued op fails with the reason
+                for work, _ in queued:
+                    work._error = e
+                raise
+            for (work, _), posted in zip(queued, works, strict=True):
+                work._works.append(posted)
 
     def _pairs(self, call: str, outputs: list, inputs: list) -> None:
         if len(outputs) != len(inputs):

@@ -67,12 +67,12 @@ class TorchWork(dist.Work):
         """Test once (takes the lock); complete the work when its commlib Works are done. True once done."""
         if self._done.is_set():
             return True
-        if self._before is not None:
-            self._before()
         with LOCK:
             if self._claimed:  # another thread is completing it: done in a moment
                 return False
             try:
+                if self._before is not None:
+                    self._before()
                 while self._works and self._works[0].is_completed():
                     self._works.pop(0)
                 if self._works and time.monotonic() > self._deadline:
@@ -173,6 +173,7 @@ class _Progress:
         self.wake = threading.Condition(threading.Lock())
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.registered = False
 
     def submit(self, work: TorchWork) -> None:
         with self.wake:
@@ -181,7 +182,9 @@ class _Progress:
                 self.stopping = False
                 self.thread = threading.Thread(target=self._run, name="commlib-torch-progress", daemon=True)
                 self.thread.start()
-                atexit.register(self.stop)  # before MPI finalises (mpi4py's handler was registered earlier)
+                if not self.registered:  # stop before MPI finalises (mpi4py's exit handler was registered earlier)
+                    atexit.register(self.stop)
+                    self.registered = True
             self.wake.notify()
 
     def _run(self) -> None:
