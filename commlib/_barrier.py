@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import numpy as np
-
 from commlib._diagnostics.debug import check as check_call
-from commlib._diagnostics.flight import ring
-from commlib._group import ProcessGroup, Work, as_seconds
+from commlib._group import ProcessGroup, Work
+from commlib._timeouts import as_seconds
 from commlib._world import resolve
-from commlib.backends._base import poll
+from commlib.backends.base import MeetingTimeout
 from commlib.errors import CommTimeoutError
 
 __all__ = ["barrier", "monitored_barrier"]
@@ -27,11 +24,8 @@ def barrier(
         check_call(g, "barrier")
     handle = g.backend.barrier()
     if seconds is None or async_op:
-        return g.run(handle, "barrier", async_op)
-    if g.pending:
-        g.drain(None, g.timeout)
-    g.seq = seq = g.seq + 1
-    g.finish(handle, "barrier", seq, ring.start(g, "barrier", None, 0, seq), seconds)
+        return g.submit(handle, "barrier", async_op)
+    g.run("barrier", None, 0, seconds, handle.wait)
     return None
 
 
@@ -49,34 +43,22 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     if g.detail:
         check_call(g, call)
     g.seq += 1
-    b, tag = g.backend, g.backend.max_tag + 1
     if g.size == 1:
         return
-    if g.rank != 0:
-        b.send(g.xp.zeros(1, np.uint8), 0, tag)
-        if not b.recv(g.xp.zeros(1, np.uint8), 0, tag).wait(seconds):
-            _fail(
-                g,
+    try:
+        g.backend.rendezvous(list(range(g.size)), seconds, what=call)
+    except MeetingTimeout as e:
+        if e.missing is None:
+            what = (
                 f"group rank 0 (global rank {g.ranks[0]}) did not release the barrier within {seconds:g} s; "
-                "it may be waiting for a rank that did not arrive, or have failed",
+                "it may be waiting for a rank that did not arrive, or have failed"
             )
-        return
-    arrivals = {p: b.recv(g.xp.zeros(1, np.uint8), p, tag) for p in range(1, g.size)}
-    deadline = time.monotonic() + seconds
-    poll(lambda: all(h.test() for h in arrivals.values()), seconds)
-    missing = [g.ranks[p] for p, h in arrivals.items() if not h.test()]
-    if missing:
-        waited = seconds - max(0.0, deadline - time.monotonic())
-        _fail(
-            g,
-            f"ranks {missing} did not reach the barrier within {waited:.3g} s "
-            f"(global ranks; {g.size - len(missing)} of {g.size} arrived)",
-        )
-    releases = [b.send(g.xp.zeros(1, np.uint8), p, tag) for p in range(1, g.size)]
-    poll(lambda: all(h.test() for h in releases), seconds)
-
-
-def _fail(g: ProcessGroup, what: str) -> None:
-    err = CommTimeoutError(f"{g.label}monitored_barrier (call #{g.seq} on group {g.name!r}): {what}")
-    g.mark_broken(err)
-    raise err
+        else:
+            missing = [g.ranks[p] for p in e.missing]
+            what = (
+                f"ranks {missing} did not reach the barrier within {seconds:g} s "
+                f"(global ranks; {g.size - len(missing)} of {g.size} arrived)"
+            )
+        err = CommTimeoutError(f"{g.label}{call} (call #{g.seq} on group {g.name!r}): {what}")
+        g.mark_broken(err)
+        raise err from None

@@ -6,15 +6,13 @@ from typing import Any
 
 import numpy as np
 
-from commlib._arrays import DTYPES, address, check_op, same_kind
 from commlib._diagnostics.debug import check as check_call
-from commlib._diagnostics.flight import now as _now
-from commlib._diagnostics.flight import ring as _ring
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
 from commlib._world import _state as _world
 from commlib._world import resolve
-from commlib.backends._base import Chained
+from commlib.arrays import DTYPES, address, op_error, same_kind
+from commlib.backends.base import Chained
 
 __all__ = [
     "all_gather",
@@ -28,18 +26,19 @@ __all__ = [
     "reduce_scatter_tensor",
     "root_rank",
     "check_list",
+    "unpack",
 ]
 
 
 _SUM = ReduceOp.SUM  # Enum class attribute access costs ~50 ns; the hot path reads a global
-_starts, _ends, _slots = _ring.starts, _ring.ends, _ring.slots  # the flight recorder, as globals (cheaper)
 
 
 def _op(op: Any, dtype: np.dtype, g: ProcessGroup, call: str) -> ReduceOp:
     if type(op) is not ReduceOp:
         op = as_reduce_op(op, f"{g.label}{call}")
-    check_op(op, dtype, g, call)
-    if g.check_reduction is not None and (why := g.check_reduction(dtype, op)):
+    if why := op_error(op, dtype):
+        raise TypeError(f"{g.label}{call}: {why}")
+    if g.limits is not None and (why := g.limits(dtype, op)):
         raise TypeError(
             f"{g.label}{call}: op={op} on dtype {dtype} is not supported by the {g.backend_name} backend: {why}"
         )
@@ -85,7 +84,7 @@ def check_list(
         raise ValueError(f"{g.label}{call}: {arg} must hold one tensor per rank ({g.size}), got {len(items)}")
     out = []
     for i, item in enumerate(items):
-        a = g.array(item, g, call, f"{arg}[{i}]", writable)
+        a = g.buffer(item, g, call, f"{arg}[{i}]", writable)
         same_kind(a, like, g, call, f"{arg}[{i}]", like_arg)
         if count is not None and a.size != count:
             raise ValueError(f"{g.label}{call}: {arg}[{i}] must have {count} elements like {like_arg}, got {a.size}")
@@ -110,29 +109,15 @@ def all_reduce(
         or not f.c_contiguous
         or a.dtype not in DTYPES
     ):
-        a = g.array(tensor, g, "all_reduce", "tensor")
+        a = g.buffer(tensor, g, "all_reduce", "tensor")
     # SUM is defined for every dtype on mpi: skip the op check on the hot path there
-    if op is not _SUM or g.check_reduction is not None:
+    if op is not _SUM or g.limits is not None:
         op = _op(op, a.dtype, g, "all_reduce")
-    if async_op or g.pending or g.all_reduce_wait is None:
+    if async_op or g.fast_all_reduce is None:
         if g.detail:
             check_call(g, "all_reduce", a, op)
-        return g.run(g.backend.all_reduce(a, a, op), "all_reduce", async_op, a.dtype, a.size)
-    # A blocking call with nothing pending: the backend's fused post-and-wait. The flight
-    # recorder's start and end are written inline (Ring.start/end cost a call each).
-    g.seq = seq = g.seq + 1
-    i = next(_slots)
-    _starts[i] = (g, "all_reduce", a.dtype, a.size, seq, _now())
-    try:
-        done = g.all_reduce_wait(a, op, g.timeout)
-    except Exception as e:
-        _ring.end(i, g, seq, ok=False)
-        g.mark_broken(e)
-        raise
-    if not done:
-        _ring.end(i, g, seq, ok=False)
-        g.fail_timeout("all_reduce", seq, g.timeout)
-    _ends[i] = _now()
+        return g.submit(g.backend.all_reduce(a, a, op), "all_reduce", async_op, a.dtype, a.size)
+    g.run("all_reduce", a.dtype, a.size, g.timeout, g.fast_all_reduce, a, op)  # the backend's fused post-and-wait
     return None
 
 
@@ -145,11 +130,11 @@ def broadcast(
 ) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
     g = resolve(group, "broadcast")
-    a = g.array(tensor, g, "broadcast", "tensor")
+    a = g.buffer(tensor, g, "broadcast", "tensor")
     root = root_rank(g, "broadcast", src, group_src, "src")
     if g.detail:
         check_call(g, "broadcast", a, root=root)
-    return g.run(g.backend.broadcast(a, root), "broadcast", async_op, a.dtype, a.size)
+    return g.submit(g.backend.broadcast(a, root), "broadcast", async_op, a.dtype, a.size)
 
 
 def reduce(
@@ -162,12 +147,12 @@ def reduce(
 ) -> Work | None:
     """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
     g = resolve(group, "reduce")
-    a = g.array(tensor, g, "reduce", "tensor")
+    a = g.buffer(tensor, g, "reduce", "tensor")
     op = _op(op, a.dtype, g, "reduce")
     root = root_rank(g, "reduce", dst, group_dst, "dst")
     if g.detail:
         check_call(g, "reduce", a, op, root)
-    return g.run(g.backend.reduce(a, a, op, root), "reduce", async_op, a.dtype, a.size)
+    return g.submit(g.backend.reduce(a, a, op, root), "reduce", async_op, a.dtype, a.size)
 
 
 def all_gather_into_tensor(
@@ -176,8 +161,8 @@ def all_gather_into_tensor(
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
     call = "all_gather_into_tensor"
     g = resolve(group, call)
-    out = g.array(output_tensor, g, call, "output_tensor")
-    inp = g.array(input_tensor, g, call, "input_tensor", writable=False)
+    out = g.buffer(output_tensor, g, call, "output_tensor")
+    inp = g.buffer(input_tensor, g, call, "input_tensor", writable=False)
     same_kind(out, inp, g, call, "output_tensor", "input_tensor")
     _check_count(g, call, "output_tensor", out, g.size, inp.size)
     if g.detail:
@@ -185,7 +170,7 @@ def all_gather_into_tensor(
     send: np.ndarray | None = inp
     if g.xp.may_share_memory(out, inp):
         send = None if _is_chunk(inp, out, g.rank) else inp.copy()
-    return g.run(g.backend.all_gather(send, out), call, async_op, inp.dtype, inp.size)
+    return g.submit(g.backend.all_gather(send, out), call, async_op, inp.dtype, inp.size)
 
 
 def all_gather(
@@ -194,19 +179,21 @@ def all_gather(
     """Gather every rank's ``tensor`` into ``tensor_list[rank]`` on every rank."""
     call = "all_gather"
     g = resolve(group, call)
-    inp = g.array(tensor, g, call, "tensor", writable=False)
+    inp = g.buffer(tensor, g, call, "tensor", writable=False)
     outs = check_list(g, call, "tensor_list", tensor_list, inp, writable=True, count=inp.size)
     if g.detail:
         check_call(g, call, inp)
     flat = g.xp.empty(g.size * inp.size, inp.dtype)
     handle = g.backend.all_gather(inp, flat)
-    return g.run(Chained(handle, lambda: _unpack(flat, outs)), call, async_op, inp.dtype, inp.size)
+    return g.submit(Chained(handle, lambda: unpack(flat, outs)), call, async_op, inp.dtype, inp.size)
 
 
-def _unpack(flat: np.ndarray, outs: list[np.ndarray]) -> None:
-    k = outs[0].size if outs else 0
-    for i, a in enumerate(outs):
-        a[...] = flat[i * k : (i + 1) * k].reshape(a.shape)
+def unpack(flat: Any, outs: list[Any]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``outs`` (each its own size and shape)."""
+    start = 0
+    for a in outs:
+        a[...] = flat[start : start + a.size].reshape(a.shape)
+        start += a.size
 
 
 def reduce_scatter_tensor(
@@ -215,8 +202,8 @@ def reduce_scatter_tensor(
     """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
     call = "reduce_scatter_tensor"
     g = resolve(group, call)
-    out = g.array(output, g, call, "output")
-    inp = g.array(input, g, call, "input", writable=False)
+    out = g.buffer(output, g, call, "output")
+    inp = g.buffer(input, g, call, "input", writable=False)
     same_kind(out, inp, g, call, "output", "input")
     _check_count(g, call, "input", inp, g.size, out.size)
     op = _op(op, out.dtype, g, call)
@@ -224,7 +211,7 @@ def reduce_scatter_tensor(
         check_call(g, call, out, op)
     if g.xp.may_share_memory(out, inp):
         inp = inp.copy()  # MPI reduces in place only at offset 0; a copy keeps any aliasing correct
-    return g.run(g.backend.reduce_scatter(inp, out, op), call, async_op, out.dtype, inp.size)
+    return g.submit(g.backend.reduce_scatter(inp, out, op), call, async_op, out.dtype, inp.size)
 
 
 def reduce_scatter(
@@ -233,13 +220,13 @@ def reduce_scatter(
     """Reduce ``input_list[i]`` across the group into rank i's ``output``."""
     call = "reduce_scatter"
     g = resolve(group, call)
-    out = g.array(output, g, call, "output")
+    out = g.buffer(output, g, call, "output")
     ins = check_list(g, call, "input_list", input_list, out, writable=False, count=out.size, like_arg="output")
     op = _op(op, out.dtype, g, call)
     if g.detail:
         check_call(g, call, out, op)
     send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins else g.xp.empty(0, out.dtype)
-    return g.run(g.backend.reduce_scatter(send, out, op), call, async_op, out.dtype, send.size)
+    return g.submit(g.backend.reduce_scatter(send, out, op), call, async_op, out.dtype, send.size)
 
 
 def all_gather_single(

@@ -1,46 +1,50 @@
-"""Process groups, their state (sequence numbers, pending work, broken), and ``Work`` handles."""
+"""Process groups: their state (sequence numbers, pending work, broken), ``Work``, and the one wait path.
+
+Every wait in commlib goes through :meth:`ProcessGroup.complete`: it waits with a deadline,
+records the outcome in the flight recorder, and on an error or a timeout fences the group off
+and raises the error that explains it. Blocking collectives enter through
+:meth:`ProcessGroup.run` (which also records the start), asynchronous ones through
+:meth:`ProcessGroup.submit` and later :meth:`Work.wait`.
+"""
 
 from __future__ import annotations
 
 import collections
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from commlib._arrays import host_array
 from commlib._diagnostics import debug as _debug
 from commlib._diagnostics import flight as _flight
-from commlib.errors import CommError, CommTimeoutError, GroupBrokenError
+from commlib._timeouts import as_seconds
+from commlib.arrays import host_array
+from commlib.backends.base import Backend, Handle
+from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupBrokenError, TransportError
 
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
 
+_ring = _flight.ring
+_now, _starts, _ends, _slots = _flight.now, _ring.starts, _ring.ends, _ring.slots  # hot path: globals
 
-def as_seconds(timeout: object, where: str) -> float:
-    """A timeout given as ``datetime.timedelta`` or seconds, as positive float seconds."""
-    if isinstance(timeout, datetime.timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"{where}: timeout must be a datetime.timedelta or seconds, got {timeout!r}")
-    if not seconds > 0:
-        raise ValueError(f"{where}: timeout must be positive, got {seconds} s")
-    return seconds
+
+def _host_intake(obj: object, ctx: Any, call: str, arg: str, writable: bool = True) -> np.ndarray:
+    return host_array(obj, ctx, call, arg, writable)
 
 
 class ProcessGroup:
     """A set of ranks that communicate together: the world, or what ``new_group`` returns."""
 
     __slots__ = (
-        "all_reduce_wait",
-        "array",
         "backend",
         "broken",
-        "check_reduction",
+        "buffer",
         "detail",
+        "fast_all_reduce",
         "host",
         "label",
+        "limits",
         "name",
         "pending",
         "rank",
@@ -51,7 +55,9 @@ class ProcessGroup:
         "xp",
     )
 
-    def __init__(self, backend: Any, ranks: list[int], rank: int, name: str, timeout: float, label: str) -> None:
+    def __init__(
+        self, backend: Backend | None, ranks: list[int], rank: int, name: str, timeout: float, label: str
+    ) -> None:
         self.backend = backend  # None on ranks outside the group
         self.ranks = ranks  # global ranks, indexed by group rank
         self.rank = rank  # this process's rank in the group, -1 when not a member
@@ -62,18 +68,16 @@ class ProcessGroup:
         self.seq = 0  # collectives issued so far, for error messages
         self.pending: collections.deque[Work] = collections.deque()
         self.broken: BaseException | None = None
-        # Optional backend fast path for a blocking in-place all_reduce (see backends/_base.py).
-        self.all_reduce_wait = getattr(backend, "all_reduce_wait", None)
-        # What arrays the backend takes: host numpy arrays (mpi, the nccl emulator) or device arrays.
-        self.xp = getattr(backend, "xp", np)
-        self.array = getattr(backend, "validate", host_array)
-        self.host = getattr(backend, "host", True)
-        self.check_reduction = getattr(backend, "check_reduction", None)  # backend-specific (dtype, op) limits
+        # What the backend declares, read once (the hot path reads attributes, not the backend).
+        self.buffer = backend.array if backend is not None else _host_intake  # validates and converts
+        self.xp = backend.xp if backend is not None else np
+        self.host = backend.host if backend is not None else True
+        overridden = backend is not None and type(backend).unsupported is not Backend.unsupported
+        self.limits = backend.unsupported if overridden else None  # backend-specific (dtype, op) limits
         # COMMLIB_DEBUG=DETAIL: every collective first checks that all ranks make the same call
-        # (commlib._diagnostics.debug); the fused all_reduce path is then skipped, so its hot path has no check.
+        # (diagnostics.debug); the fused all_reduce is then skipped, so its hot path has no check.
         self.detail = _debug.detail()
-        if self.detail:
-            self.all_reduce_wait = None
+        self.fast_all_reduce = backend.all_reduce_wait if backend is not None and not self.detail else None
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"
@@ -82,41 +86,52 @@ class ProcessGroup:
     def backend_name(self) -> str:
         return self.backend.name if self.backend is not None else "none"
 
-    def run(self, handle: Any, call: str, async_op: bool, dtype: Any = None, count: int = 0) -> Work | None:
-        """Finish issuing a collective: return a Work, or wait for it with the group's timeout."""
-        self.seq = seq = self.seq + 1
-        slot = _ring.start(self, call, dtype, count, seq)
+    # -- the one wait path ------------------------------------------------------------------------
+    def submit(self, handle: Handle, call: str, async_op: bool, dtype: Any = None, count: int = 0) -> Work | None:
+        """A collective has been posted: give the caller its ``Work`` (``async_op``), or complete it now."""
         if async_op:
-            work = Work(self, handle, call, seq, slot=slot)
+            self.seq = seq = self.seq + 1
+            work = Work(self, handle, call, seq, slot=_ring.start(self, call, dtype, count, seq))
             self.pending.append(work)
             return work
-        if self.pending:
-            self.drain(None, self.timeout)
-        if not self.host and hasattr(handle, "defer"):
-            handle.defer()  # device work, as torch's NCCL: the caller's stream waits, the host goes on
-            return None
-        self.finish(handle, call, seq, slot, self.timeout)
+        if not self.host:  # device work, as torch's NCCL: the caller's stream waits, the host goes on
+            if self.pending:
+                self.drain(None, self.timeout)
+            if handle.defer():
+                self.seq += 1
+                _ring.end(_ring.start(self, call, dtype, count, self.seq), self, self.seq)  # enqueued = done here
+                return None
+        self.run(call, dtype, count, self.timeout, handle.wait)
         return None
 
-    def finish(self, handle: Any, call: str, seq: int, slot: int, timeout: float) -> None:
-        """Wait for ``handle``; record the outcome; on failure fence the group off and raise."""
+    def run(self, call: str, dtype: Any, count: int, timeout: float, wait: Callable[..., bool], *args: Any) -> None:
+        """Record a blocking collective and complete it: ``wait(*args, timeout)`` posts (or has posted) and waits."""
+        self.seq = seq = self.seq + 1
+        slot = next(_slots)
+        _starts[slot] = (self, call, dtype, count, seq, _now())
+        if self.pending:
+            self.drain(None, self.timeout)
+        self.complete(call, seq, slot, timeout, wait, *args)
+
+    def complete(self, call: str, seq: int, slot: int, timeout: float, wait: Callable[..., bool], *args: Any) -> None:
+        """Wait (``wait(*args, timeout)``); record the end in ``slot`` (none if < 0); on failure fence and raise."""
         try:
-            done = handle.wait(timeout)
-        except CommError as e:
-            _ring.end(slot, self, seq, ok=False)
-            self.mark_broken(e)
-            raise
+            done = wait(*args, timeout)
+        except BaseException as e:
+            self.fail(call, seq, slot, e)
         if not done:
-            _ring.end(slot, self, seq, ok=False)
+            if slot >= 0:
+                _ring.end(slot, self, seq, ok=False)
             self.fail_timeout(call, seq, timeout)
-        _ring.end(slot, self, seq)
+        if slot >= 0:
+            _ends[slot] = _now()
 
     def drain(self, upto: Work | None, timeout: float) -> None:
         """Complete pending collectives in issue order, up to and including ``upto`` (all when None)."""
         pending = self.pending
         while pending:
             work = pending[0]
-            self.finish(work.handle, work.call, work.seq, work.slot, timeout)
+            self.complete(work.call, work.seq, work.slot, timeout, work.handle.wait)
             work.done = True
             pending.popleft()
             if work is upto:
@@ -127,20 +142,40 @@ class ProcessGroup:
         pending = self.pending
         while pending:
             work = pending[0]
-            if not work.handle.test():
+            if not self.complete_if_done(work):
                 return False
-            _ring.end(work.slot, self, work.seq)
-            work.done = True
             pending.popleft()
             if work is upto:
                 return True
         return upto.done
 
+    def complete_if_done(self, work: Work) -> bool:
+        """Complete ``work`` if its handle tests done (recorded as :meth:`complete` does); never blocks."""
+        try:
+            if not work.handle.test():
+                return False
+        except BaseException as e:
+            self.fail(work.call, work.seq, work.slot, e)
+        if work.slot >= 0:
+            _ring.end(work.slot, self, work.seq)
+        work.done = True
+        return True
+
+    # -- failures ---------------------------------------------------------------------------------
+    def fail(self, call: str, seq: int, slot: int, err: BaseException) -> None:
+        """Record the failure of call #``seq``, fence the group off, and raise (an engine error explained)."""
+        if slot >= 0:
+            _ring.end(slot, self, seq, ok=False)
+        self.mark_broken(err)
+        if isinstance(err, TransportError):
+            raise self.mismatch(call, seq, slot, err) from err
+        raise err
+
     def fail_timeout(self, call: str, seq: int, timeout: float) -> None:
         """Mark the group broken and raise the ``CommTimeoutError`` that says what was waited for."""
-        from commlib._diagnostics import monitor as _monitor
+        from commlib._diagnostics import monitor
 
-        arrived = _monitor.arrival(self, call, seq, timeout)
+        arrived = monitor.arrival(self, call, seq, timeout)
         dumped = _flight.dump(f"timeout in {call} #{seq} on group {self.name!r}")
         err = CommTimeoutError(
             f"{self.label}{call} (call #{seq} on group {self.name!r}, ranks {_ranks(self.ranks)}) did not complete "
@@ -150,6 +185,22 @@ class ProcessGroup:
         )
         self.mark_broken(err)
         raise err
+
+    def mismatch(self, call: str, seq: int, slot: int, err: TransportError) -> CommError:
+        """The error for an engine failure inside a call: almost always ranks that disagree on the call."""
+        entry = _starts[slot] if slot >= 0 else None
+        nbytes = ""
+        if entry is not None and entry[0] is self and entry[4] == seq and entry[2] is not None:
+            nbytes = f", {entry[3] * np.dtype(entry[2]).itemsize} bytes on this rank"
+        dumped = _flight.dump(f"engine error in {call} #{seq} on group {self.name!r}")
+        out = CollectiveMismatchError(
+            f"{self.label}{call} (call #{seq} on group {self.name!r}, ranks {_ranks(self.ranks)}{nbytes}) failed "
+            f"inside {self.backend_name}: the ranks most likely disagree on the size of this call, or made different "
+            f"numbers of calls before it ({err}); the group is now unusable"
+            + (f" (flight recorder: {dumped})" if dumped else "")
+        )
+        self.broken = out
+        return out
 
     def mark_broken(self, err: BaseException) -> None:
         """Fence the group off: every later call on it raises ``GroupBrokenError`` from ``err``."""
@@ -170,6 +221,7 @@ class ProcessGroup:
             )
         raise CommError(f"{self.label}{call}: group {self.name!r} has been destroyed")
 
+    # -- ranks --------------------------------------------------------------------------------------
     def group_rank(self, global_rank: int, where: str, arg: str) -> int:
         """The group rank of ``global_rank``; ``ValueError`` when it is not in the group."""
         if isinstance(global_rank, (bool, np.bool_)) or not isinstance(global_rank, (int, np.integer)):
@@ -191,9 +243,6 @@ class ProcessGroup:
         return int(group_rank)
 
 
-_ring = _flight.ring
-
-
 def _ranks(ranks: list[int]) -> str:
     if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
         return f"{ranks[0]}..{ranks[-1]}"
@@ -208,17 +257,25 @@ class Work:
     Work is not ordered with collectives (like gloo, unlike one NCCL stream).
     """
 
-    __slots__ = ("call", "done", "group", "handle", "ordered", "seq", "slot")
+    __slots__ = ("call", "done", "group", "handle", "ordered", "receive", "seq", "slot")
 
     def __init__(
-        self, group: ProcessGroup, handle: Any, call: str, seq: int, ordered: bool = True, slot: int = -1
+        self,
+        group: ProcessGroup,
+        handle: Any,
+        call: str,
+        seq: int,
+        ordered: bool = True,
+        slot: int = -1,
+        receive: bool = False,
     ) -> None:
         self.group = group
         self.handle = handle
         self.call = call
         self.seq = seq
         self.ordered = ordered
-        self.slot = slot  # the flight recorder's slot of a collective
+        self.slot = slot  # the flight recorder's slot of a collective (-1: point-to-point)
+        self.receive = receive  # a receive's handle knows its sender (``source``)
         self.done = False
 
     def __repr__(self) -> str:
@@ -234,30 +291,27 @@ class Work:
         if self.done:
             return True
         group = self.group
-        if timeout is None and not group.host and hasattr(self.handle, "defer"):
-            self.handle.defer()
+        if timeout is None and not group.host and self.handle.defer():
             return True
         seconds = group.timeout if timeout is None else as_seconds(timeout, f"{group.label}{self.call} Work.wait")
         if group.broken is not None:
             group.refuse(self.call)
         if self.ordered:
             group.drain(self, seconds)
-        elif self.handle.wait(seconds):
-            self.done = True
         else:
-            group.fail_timeout(self.call, self.seq, seconds)
+            group.complete(self.call, self.seq, -1, seconds, self.handle.wait)
+            self.done = True
         return True
 
     def is_completed(self) -> bool:
         """True once the operation is complete; never blocks."""
         if not self.done:
-            self.done = self.group.test_upto(self) if self.ordered else self.handle.test()
+            self.done = self.group.test_upto(self) if self.ordered else self.group.complete_if_done(self)
         return self.done
 
     def source_rank(self) -> int:
         """For ``irecv(src=None)``: the global rank the message came from (waits first)."""
-        self.wait()
-        source = getattr(self.handle, "source", None)
-        if source is None:
+        if not self.receive:
             raise ValueError(f"{self.group.label}{self.call}: source_rank() is only defined for receives")
-        return self.group.ranks[source]
+        self.wait()
+        return self.group.ranks[self.handle.source]

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from commlib._collectives import root_rank
-from commlib._composed import gather_handle, scatter_handle
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup
 from commlib._world import resolve
+from commlib.arrays import to_device, to_host
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
 
@@ -32,7 +32,7 @@ def _load(a: np.ndarray) -> Any:
 
 
 def _run(g: ProcessGroup, handle: Any, call: str) -> None:
-    g.run(handle, call, False)
+    g.submit(handle, call, False)
 
 
 def _padded(chunks: list[np.ndarray], width: int) -> np.ndarray:
@@ -49,25 +49,16 @@ def _check_list(g: ProcessGroup, call: str, arg: str, value: Any, size: int | No
         raise ValueError(f"{g.label}{call}: {arg} must have one entry per rank ({size}), got {len(value)}")
 
 
-def _dev(g: ProcessGroup, a: np.ndarray) -> Any:
-    """``a`` where the backend wants it: itself for host backends, a device copy for GPUs."""
-    return a if g.host else g.xp.asarray(a)
-
-
-def _host(g: ProcessGroup, a: Any) -> np.ndarray:
-    return a if g.host else a.get()
-
-
 def _all_gather(g: ProcessGroup, call: str, mine: np.ndarray) -> np.ndarray:
     out = g.xp.empty(g.size * mine.size, mine.dtype)
-    _run(g, g.backend.all_gather(_dev(g, mine), out), call)
-    return _host(g, out)
+    _run(g, g.backend.all_gather(to_device(mine, g.xp), out), call)
+    return to_host(out)
 
 
 def _broadcast(g: ProcessGroup, call: str, buf: np.ndarray, root: int) -> np.ndarray:
-    moved = _dev(g, buf)
+    moved = to_device(buf, g.xp)
     _run(g, g.backend.broadcast(moved, root), call)
-    return _host(g, moved)
+    return to_host(moved)
 
 
 def all_gather_object(object_list: list, obj: Any, group: ProcessGroup | None = None) -> None:
@@ -103,9 +94,9 @@ def gather_object(
     sizes = _all_gather(g, call, np.array([data.size], _I64))
     width = int(sizes.max())
     out = g.xp.empty(g.size * width, _U8) if g.rank == root else None
-    _run(g, gather_handle(g, _dev(g, _padded([data], width)), out, root), call)
+    _run(g, g.backend.gather(to_device(_padded([data], width), g.xp), out, root), call)
     if out is not None:
-        out = _host(g, out)
+        out = to_host(out)
         object_gather_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
 
 
@@ -158,5 +149,5 @@ def scatter_object_list(
     sizes = _broadcast(g, call, sizes, root)
     width = int(sizes.max())
     recv = g.xp.empty(width, _U8)
-    _run(g, scatter_handle(g, _dev(g, _padded(chunks, width)) if mine else None, recv, root), call)
-    out_list[0] = _load(_host(g, recv)[: int(sizes[g.rank])])
+    _run(g, g.backend.scatter(to_device(_padded(chunks, width), g.xp) if mine else None, recv, root), call)
+    out_list[0] = _load(to_host(recv)[: int(sizes[g.rank])])

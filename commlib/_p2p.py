@@ -16,7 +16,7 @@ def _peer(g: ProcessGroup, call: str, rank: Any, group_rank: Any, arg: str, any_
             raise ValueError(f"{g.label}{call}: give {arg} (a global rank) or group_{arg}, not both")
         peer = g.check_group_rank(group_rank, call, f"group_{arg}")
     elif rank is None:
-        if any_ok and getattr(g.backend, "any_source", True):
+        if any_ok and g.backend.any_source:
             return None
         if any_ok:
             raise ValueError(f"{g.label}{call}: the {g.backend_name} backend cannot receive from any source; pass src")
@@ -37,16 +37,16 @@ def _tag(g: ProcessGroup, call: str, tag: Any) -> int:
 
 def _post_send(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> Work:
     g = resolve(group, call)
-    a = g.array(tensor, g, call, "tensor", writable=False)
+    a = g.buffer(tensor, g, call, "tensor", writable=False)
     peer = _peer(g, call, dst, group_dst, "dst")
     return Work(g, g.backend.send(a, peer, _tag(g, call, tag)), call, 0, ordered=False)
 
 
 def _post_recv(tensor: Any, src: Any, group: Any, tag: Any, group_src: Any, call: str) -> Work:
     g = resolve(group, call)
-    a = g.array(tensor, g, call, "tensor")
+    a = g.buffer(tensor, g, call, "tensor")
     peer = _peer(g, call, src, group_src, "src", any_ok=True)
-    return Work(g, g.backend.recv(a, peer, _tag(g, call, tag)), call, 0, ordered=False)
+    return Work(g, g.backend.recv(a, peer, _tag(g, call, tag)), call, 0, ordered=False, receive=True)
 
 
 def isend(
@@ -126,7 +126,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     plan = []
     for i, p in enumerate(p2p_op_list):
         recv = p.op is irecv
-        a = g.array(p.tensor, g, call, f"p2p_op_list[{i}].tensor", writable=recv)
+        a = g.buffer(p.tensor, g, call, f"p2p_op_list[{i}].tensor", writable=recv)
         peer = _peer(g, call, p.peer, p.group_peer, "peer")
         plan.append((recv, a, peer, _tag(g, call, p.tag)))
     b = g.backend
@@ -135,4 +135,4 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         handles = [(b.recv if recv else b.send)(a, peer, tag) for recv, a, peer, tag in plan]
     finally:
         b.group_end()
-    return [Work(g, h, call, 0, ordered=False) for h in handles]
+    return [Work(g, h, call, 0, ordered=False, receive=recv) for h, (recv, *_) in zip(handles, plan, strict=True)]

@@ -6,7 +6,8 @@ import os
 from typing import Any
 
 from commlib._environment import LaunchInfo, detect
-from commlib._group import ProcessGroup, as_seconds
+from commlib._group import ProcessGroup
+from commlib._timeouts import as_seconds
 from commlib.errors import BackendUnavailableError, CommTimeoutError
 
 __all__ = [
@@ -36,6 +37,7 @@ class _State:
         self.world: ProcessGroup | None = None
         self.implicit = False  # the world was created by the first API call, not by init_process_group
         self.groups: list[ProcessGroup] = []
+        self.by_ranks: dict[tuple[int, ...], ProcessGroup] = {}  # subgroup()'s cache, cleared with the world
         self.info: LaunchInfo | None = None
 
 
@@ -183,20 +185,18 @@ def _nccl_world(host_world: Any, info: LaunchInfo, timeout: float) -> Any:
     """The NCCL communicator of the job; its unique id travels from rank 0 over the MPI world."""
     import sys
 
-    import numpy as np
-
     from commlib.backends import nccl
 
     module, cuda, xp, host = nccl.load(emulated())
     if not host:  # one process per GPU, unless the caller already chose one
         cuda.Device(info.local_rank % cuda.runtime.getDeviceCount()).use()
-    uid = np.zeros(128, np.uint8)  # ncclUniqueId: 128 bytes (cupy returns bytes; older cupy, a tuple of ints)
-    if host_world.rank == 0:
-        made = module.get_unique_id()
-        uid[:] = np.frombuffer(made, np.uint8) if isinstance(made, bytes) else np.asarray(made).astype(np.uint8)
-    if not host_world.broadcast(uid, 0).wait(timeout):
-        raise CommTimeoutError(f"init_process_group: rank 0 did not send the NCCL unique id within {timeout:g} s")
-    comm = module.NcclCommunicator(host_world.size, uid.tobytes(), host_world.rank)
+    everyone = list(range(host_world.size))
+    uid = nccl.unique_id(module) if host_world.rank == 0 else b""
+    try:
+        uid = host_world.rendezvous(everyone, timeout, uid, what="the NCCL world's unique id")
+    except CommTimeoutError as e:
+        raise CommTimeoutError(f"init_process_group: {e}") from None
+    comm = module.NcclCommunicator(host_world.size, uid, host_world.rank)
     if host and host_world.rank == 0:
         print(
             "commlib: backend 'nccl' is running on the NCCL emulator (CPU, host memory; "
@@ -204,7 +204,7 @@ def _nccl_world(host_world: Any, info: LaunchInfo, timeout: float) -> Any:
             file=sys.stderr,
             flush=True,
         )
-    return nccl.NcclBackend(module, cuda, xp, comm, host)
+    return nccl.NcclBackend(module, cuda, xp, comm, host, host_world, everyone)
 
 
 def _check_explicit(world: ProcessGroup, world_size: int, rank: int) -> None:
@@ -257,11 +257,28 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     for g in targets:
         if g.backend is not None and g.broken is None and g is not _state.world:
             g.backend.close()
-        g.backend = g.all_reduce_wait = None
+        g.backend = g.fast_all_reduce = None
         if g in _state.groups:
             _state.groups.remove(g)
+    _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}
     if group is None or group is _state.world:
-        _state.world, _state.implicit, _state.groups = None, False, []
+        _state.world, _state.implicit, _state.groups, _state.by_ranks = None, False, [], {}
+
+
+def subgroup(ranks: Any) -> ProcessGroup:
+    """The group of ``ranks`` (global ranks, in that order): the default group for all ranks in order,
+    else made by ``new_group(ranks, sort_ranks=False)`` on first use and cached.
+
+    The first use is collective over the default group, as ``new_group`` is: every rank asks for
+    the same ranks in the same order. ``destroy_process_group()`` clears the cache.
+    """
+    world = resolve(None, "subgroup")
+    key = tuple(_check_ranks(world, ranks))
+    if key == tuple(range(world.size)):
+        return world
+    if key not in _state.by_ranks:
+        _state.by_ranks[key] = new_group(list(key), sort_ranks=False)
+    return _state.by_ranks[key]
 
 
 def new_group(
@@ -274,7 +291,10 @@ def new_group(
     device_id: Any = None,
     sort_ranks: bool = True,
 ) -> ProcessGroup:
-    """Create a sub-group of the default group; every rank must call it with the same ``ranks``."""
+    """Create a sub-group of the default group; every rank must call it with the same ``ranks``.
+
+    With ``use_local_synchronization=True`` (as torch's flag) only the members of ``ranks`` call it.
+    """
     world = resolve(None, "new_group")
     members = _check_ranks(world, ranks)
     if sort_ranks:
@@ -285,16 +305,34 @@ def new_group(
             f"{world.backend_name!r}; groups use the default group's backend"
         )
     seconds = world.timeout if timeout is None else as_seconds(timeout, f"{world.label}new_group")
+    if use_local_synchronization and world.rank not in members:
+        raise ValueError(
+            f"{world.label}new_group: with use_local_synchronization=True only the members of ranks={members} "
+            f"call new_group, and this rank ({world.rank}) is not one"
+        )
     try:
-        sub = world.backend.split(members, world.timeout)
+        if use_local_synchronization:
+            sub = world.backend.create_group(members, world.timeout)
+        else:
+            sub = world.backend.split(members, world.timeout)
     except CommTimeoutError as e:
-        world.mark_broken(e)
-        raise CommTimeoutError(f"{world.label}{e}") from None
-    name = group_desc or f"group{len(_state.groups)}"
+        if not use_local_synchronization:  # a missing member leaves the world's collective half-done
+            world.mark_broken(e)
+        raise CommTimeoutError(f"{world.label}new_group: {e}") from None
+    name = group_desc or _group_name(members, use_local_synchronization)
     rank = members.index(world.rank) if sub is not None else -1
     g = ProcessGroup(sub, members, rank, name, seconds, world.label)
     _state.groups.append(g)
     return g
+
+
+def _group_name(members: list[int], local: bool) -> str:
+    """A name every member agrees on: the creation count (all ranks create every group), or, when only the
+    members create it, its ranks and how many groups of the same ranks exist already."""
+    if not local:
+        return f"group{len(_state.groups)}"
+    twins = sum(1 for g in _state.groups if g.ranks == members)
+    return f"group{members}" + (f"#{twins}" if twins else "")
 
 
 def _check_ranks(world: ProcessGroup, ranks: Any) -> list[int]:

@@ -13,6 +13,7 @@ __all__ = [
     "CommError",
     "CommTimeoutError",
     "GroupBrokenError",
+    "TransportError",
 ]
 
 
@@ -29,7 +30,16 @@ class GroupBrokenError(CommError):
 
 
 class CollectiveMismatchError(CommError):
-    """Under ``COMMLIB_DEBUG=DETAIL``: the ranks of a group were not making the same call (``calls``: rank -> call)."""
+    """The ranks of a group were not making the same call.
+
+    Raised on every rank by ``COMMLIB_DEBUG=DETAIL``'s checks (``calls``: rank -> call), and
+    without them when the engine itself fails inside a call (truncation, a schedule error): the
+    message then names the call, its number and this rank's byte count.
+    """
+
+
+class TransportError(CommError):
+    """The engine (MPI) reported an error inside an operation; commlib explains it as a mismatch."""
 
 
 class BackendUnavailableError(CommError):

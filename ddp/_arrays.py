@@ -1,8 +1,9 @@
 """The few array operations the reducer needs, for numpy, cupy, torch and other DLPack arrays.
 
-Families are told apart by duck typing so that nothing here imports torch or cupy: torch
-tensors have ``new_zeros``/``copy_``; numpy and cupy arrays have ``__array_namespace__``;
-any other DLPack exporter is used through a numpy view (host memory only).
+Which dtypes exist, and how a foreign array becomes one commlib moves, is ``commlib.arrays``'
+answer (so ddp takes every dtype commlib moves, bfloat16 included). What is left here is
+family-generic arithmetic: torch tensors have ``new_zeros``/``copy_``; numpy and cupy arrays
+have ``__array_namespace__``; nothing here imports torch or cupy.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from commlib import arrays
 from ddp.planner import ParamInfo
 
 __all__ = ["as_array", "copy_into", "describe", "flat_view", "is_inexact", "scale", "scale_into", "zero", "zeros_like"]
@@ -22,31 +24,27 @@ def _is_torch(a: Any) -> bool:
 
 
 def as_array(a: Any, where: str, arg: str) -> Any:
-    """``a`` itself when it is a numpy/cupy array or torch tensor; else a numpy view through DLPack."""
+    """``a`` itself when it is a numpy/cupy array or torch tensor; else commlib's zero-copy view of it."""
     if _is_torch(a) or hasattr(a, "__array_namespace__"):
         return a
     if hasattr(a, "__dlpack__"):
-        try:
-            return np.from_dlpack(a)
-        except (TypeError, RuntimeError, BufferError) as e:
-            raise TypeError(f"{where}: {arg} cannot be viewed as a host array through DLPack: {e}") from None
+        return arrays.as_array(a, where=f"{where}: {arg}")
     raise TypeError(
         f"{where}: {arg} must be a numpy, cupy or DLPack array (e.g. a torch tensor), got {type(a).__qualname__}"
     )
 
 
 def is_inexact(a: Any) -> bool:
-    """True for floating-point and complex arrays (gradients can be averaged in place)."""
-    dtype = a.dtype
-    if hasattr(dtype, "is_floating_point"):  # a torch.dtype
-        return bool(dtype.is_floating_point or dtype.is_complex)
-    dtype = np.dtype(dtype)
-    return dtype.kind in "fc" or dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+    """True for the floating-point and complex dtypes commlib moves (gradients can be averaged in place)."""
+    try:
+        return arrays.kind(a.dtype) in ("float", "complex")
+    except TypeError:  # a dtype commlib cannot move at all
+        return False
 
 
 def describe(a: Any, name: str) -> ParamInfo:
     """The planner's view of array ``a``: element count, item size, dtype and device names."""
-    itemsize = getattr(a, "itemsize", None) or np.dtype(a.dtype).itemsize
+    itemsize = arrays.numpy_dtype(a.dtype).itemsize
     device = str(getattr(a, "device", "cpu"))
     return ParamInfo(math.prod(a.shape), int(itemsize), str(a.dtype), device, name)
 
@@ -65,12 +63,12 @@ def flat_view(buffer: Any, start: int, numel: int, shape: tuple[int, ...]) -> An
 
 
 def copy_into(dst: Any, src: Any) -> None:
-    """Copy ``src`` into ``dst`` (same shape); a foreign DLPack ``src`` is read through a host view."""
+    """Copy ``src`` into ``dst`` (same shape); a foreign DLPack ``src`` is read through commlib's view."""
     if _is_torch(dst):
         dst.copy_(src)
         return
     if not hasattr(src, "__array_namespace__") and isinstance(dst, np.ndarray):
-        src = np.from_dlpack(src)
+        src = arrays.as_array(src)
     dst[...] = src
 
 
@@ -85,7 +83,7 @@ def scale_into(dst: Any, src: Any, factor: float) -> None:
     elif hasattr(src, "__array_namespace__") or not isinstance(dst, np.ndarray):
         dst.__array_namespace__().multiply(src, factor, out=dst)
     else:
-        np.multiply(np.from_dlpack(src), factor, out=dst)
+        np.multiply(arrays.as_array(src), factor, out=dst)
 
 
 def scale(dst: Any, factor: float) -> None:

@@ -18,7 +18,7 @@ import commlib
 from globalview import _random
 from globalview._boxing import empty_local
 from globalview._layout import block, normalize_sbp
-from globalview._nccl_xp import array_module
+from globalview._placement import array_module
 from globalview._placement import placement as Placement
 from globalview._tensor import GlobalTensor, _check_placement
 

@@ -1,10 +1,11 @@
-"""Process groups for placements (cached), and every collective globalview runs.
+"""Process groups for placements, and every collective globalview runs.
 
 Each collective goes through :func:`collective`, which can record it: the tests
 use :func:`record` to assert exactly which collectives a conversion ran.
-``commlib.new_group`` is collective over the world, so every rank asks for the
-same groups in the same order; globalview guarantees that because every rank
-runs the same plan (a global tensor's program is the same on every rank).
+Groups come from ``commlib.groups.subgroup``, which makes each once per world
+(and forgets them when the world is destroyed). Making one is collective over the
+world, so every rank asks for the same groups in the same order; globalview
+guarantees that because every rank runs the same plan.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import commlib
+import commlib.groups
 from globalview._placement import placement as Placement
 
 __all__ = ["Call", "collective", "line_group", "record", "subgroup"]
 
-_groups: dict[tuple[int, ...], Any] = {}
 _recorders: list[list[Call]] = []
 
 
@@ -33,15 +34,12 @@ class Call:
 
 
 def subgroup(ranks: tuple[int, ...]) -> Any:
-    """The commlib group of ``ranks`` (in that order), made once; ``None`` for the whole world in order."""
-    if ranks not in _groups:
-        world = commlib.get_world_size()
-        bad = [r for r in ranks if r >= world]
-        if bad:
-            raise ValueError(f"globalview: placement ranks {bad} do not exist in a world of {world} ranks")
-        whole = ranks == tuple(range(world))
-        _groups[ranks] = None if whole else commlib.new_group(list(ranks), sort_ranks=False)
-    return _groups[ranks]
+    """The commlib group of ``ranks`` (in that order): the default group for the whole world in order."""
+    world = commlib.get_world_size()
+    bad = [r for r in ranks if r >= world]
+    if bad:
+        raise ValueError(f"globalview: placement ranks {bad} do not exist in a world of {world} ranks")
+    return commlib.groups.subgroup(ranks)
 
 
 def line_group(pl: Placement, axis: int, me: int) -> Any:
@@ -70,8 +68,3 @@ def collective(name: str, fn: Callable[..., Any], *args: Any, ranks: tuple[int, 
     fn(*args, **kw)
     for calls in _recorders:
         calls.append(Call(name, ranks, nbytes))
-
-
-def clear() -> None:
-    """Forget cached groups (after ``commlib.destroy_process_group``)."""
-    _groups.clear()

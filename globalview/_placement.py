@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["placement"]
+import commlib
+import commlib.groups
+
+__all__ = ["array_module", "placement"]
 
 TYPES = ("cpu", "cuda")
+
+
+def array_module(type_: str, call: str) -> ModuleType:
+    """numpy or cupy for a placement of ``type_``, after checking the job's backend can carry it.
+
+    "cuda" takes the nccl backend's arrays: cupy on GPUs, numpy on commlib's CPU emulator of NCCL.
+    """
+    backend, xp = commlib.get_backend(), commlib.groups.array_module()
+    if type_ == "cuda":
+        if backend != "nccl":
+            raise ValueError(
+                f"{call}: placement type 'cuda' needs the nccl backend (a GPU, or the CPU emulator with "
+                f"COMMLIB_NCCL_EMULATOR=1); this job's backend is {backend!r}: use type 'cpu'"
+            )
+        return xp
+    if xp is not np:
+        raise ValueError(
+            f"{call}: placement type 'cpu' needs host collectives, but this job's backend is nccl on GPUs: "
+            f"use type 'cuda'"
+        )
+    return np
 
 
 class placement:

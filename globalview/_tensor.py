@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 
 import commlib
+from commlib.arrays import DTYPES, numpy_dtype, to_host
 from globalview import _groups, _memory
 from globalview._boxing import empty_local, execute
 from globalview._layout import block_shape, normalize_sbp
-from globalview._nccl_xp import array_module, to_host
+from globalview._placement import array_module
 from globalview._placement import placement as Placement
 from globalview._plan import Plan, plan
 from globalview.sbp import SbpParallel, broadcast
@@ -168,14 +169,14 @@ def _exchange_meta(a: Any, member: bool, xp: Any, call: str) -> np.ndarray:
     return to_host(out)
 
 
-_CODES = [np.dtype(c) for c in ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16")]
+_CODES = list(DTYPES)  # commlib's table: every dtype commlib moves has a code
 
 
-def _dtype_code(dtype: np.dtype, call: str) -> int:
+def _dtype_code(dtype: Any, call: str) -> int:
     try:
-        return _CODES.index(np.dtype(dtype))
-    except ValueError:
-        raise TypeError(f"{call}: dtype {dtype} is not supported (one of {', '.join(map(str, _CODES))})") from None
+        return _CODES.index(numpy_dtype(dtype))
+    except TypeError as e:
+        raise TypeError(f"{call}: {e}") from None
 
 
 def _logical_shape(meta: np.ndarray, pl: Placement, sbp: tuple, call: str) -> tuple[tuple[int, ...], np.dtype]:

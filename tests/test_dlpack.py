@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from commlib import _dlpack  # noqa: E402
-from commlib._dlpack import device_of, host_view  # noqa: E402
+from commlib.arrays import _dlpack  # noqa: E402
+from commlib.arrays._dlpack import device_of, host_view  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # torch dtype -> the numpy dtype host_view must produce.

@@ -1,8 +1,15 @@
-"""DESIGN.md's import rule, checked on the source: ddp -> commlib <- globalview, and nothing else.
+"""The architecture, checked on the source: which package may import which (DESIGN.md).
 
-commlib imports neither ddp nor globalview; ddp and globalview never import each other
-and use only commlib's public API (no ``commlib._private`` modules); only
-``commlib.backends.mpi`` imports mpi4py and only the nccl backend modules import cupy.
+Between packages: ddp -> commlib <- globalview; commlib imports neither, they never import each
+other, and they use only commlib's public modules. Inside commlib, from the bottom up:
+
+    arrays (the one intake)            imports nothing of commlib but ReduceOp
+    backends (the narrow waist)        + arrays, errors
+    store, launch, _diagnostics        + backends' contract only where they hook into waits
+    the group layer (_group, _world, _collectives, ...), groups, env    anything below
+    bench, torch_backend, demo         the public API
+
+Only ``commlib/backends/`` and ``commlib/arrays/`` import cupy; only the mpi backend imports mpi4py.
 """
 
 from __future__ import annotations
@@ -14,6 +21,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("commlib", "ddp", "globalview")
+GROUP_LAYER = {"_group", "_world", "_collectives", "_composed", "_p2p", "_barrier", "_objects", "groups", "env"}
+
+# For each part of commlib: the parts of commlib it may import (besides itself).
+ALLOWED = {
+    "_ops": set(),
+    "errors": set(),
+    "_timeouts": set(),
+    "_environment": set(),
+    "arrays": {"_ops"},
+    "backends": {"_ops", "arrays", "errors"},
+    "store": {"_timeouts", "errors"},
+    "_diagnostics": {"arrays", "errors", "store", "backends"},
+    "launch": {"store", "_diagnostics", "backends"},
+    "testing": {"launch"},
+    **{
+        name: {"_ops", "errors", "_timeouts", "_environment", "arrays", "backends", "store", "_diagnostics"}
+        | GROUP_LAYER
+        for name in GROUP_LAYER
+    },
+    "bench": {"", "arrays", "errors", "groups", "launch"},  # "" is the public package itself
+    "torch_backend": {"", "arrays", "errors", "groups"},
+    "demo": {""},
+    "__init__": set(),  # the public API re-exports everything
+}
 
 
 def _imports(path: Path) -> list[str]:
@@ -38,9 +69,45 @@ def _top(name: str) -> str:
     return name.split(".")[0]
 
 
+def _part(path: Path) -> str:
+    """The part of commlib a file belongs to: its sub-package, or its module name."""
+    rel = path.relative_to(ROOT / "commlib")
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _commlib_part(name: str) -> str:
+    """The part of commlib an import names ("" for ``commlib`` itself)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_package_has_sources(package: str) -> None:
     assert _files(package), f"{package} has no Python files"
+
+
+def test_every_part_of_commlib_has_a_rule() -> None:
+    parts = {_part(f) for f in _files("commlib")}
+    assert parts <= set(ALLOWED), parts - set(ALLOWED)
+
+
+def test_commlib_parts_import_only_what_is_below_them() -> None:
+    def rule(f: Path, name: str) -> bool:
+        if _top(name) != "commlib":
+            return False
+        mine, theirs = _part(f), _commlib_part(name)
+        return mine != "__init__" and theirs != mine and theirs not in ALLOWED[mine]
+
+    assert _violations("commlib", rule) == []
+
+
+def test_the_launcher_and_the_intake_never_start_mpi() -> None:
+    """Importing mpi4py.MPI initialises MPI: the launcher and the intake must not (not even through backends.mpi)."""
+
+    def rule(f: Path, name: str) -> bool:
+        return _part(f) in ("launch", "arrays", "store") and name.startswith(("mpi4py", "commlib.backends.mpi"))
+
+    assert _violations("commlib", rule) == []
 
 
 def test_commlib_imports_neither_ddp_nor_globalview() -> None:
@@ -64,9 +131,10 @@ def test_only_the_mpi_backend_imports_mpi4py() -> None:
     assert bad == []
 
 
-def test_only_nccl_modules_import_cupy() -> None:
+def test_only_the_backends_and_the_array_intake_import_cupy() -> None:
     def rule(f: Path, name: str) -> bool:
-        return _top(name) == "cupy" and "nccl" not in f.name and f.parent.name != "backends"
+        inside = f.is_relative_to(ROOT / "commlib" / "backends") or f.is_relative_to(ROOT / "commlib" / "arrays")
+        return _top(name) == "cupy" and not inside
 
     assert [v for p in PACKAGES for v in _violations(p, rule)] == []
 
@@ -76,3 +144,4 @@ def test_the_rule_detects_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "x.py"
     bad.write_text("import ddp.reducer\nfrom globalview import sbp\n")
     assert _imports(bad) == ["ddp.reducer", "globalview"]
+    assert "_group" not in ALLOWED["backends"] and "backends" not in ALLOWED["arrays"]

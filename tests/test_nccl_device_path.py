@@ -12,8 +12,9 @@ import pytest
 
 from commlib import all_gather_into_tensor, all_reduce, broadcast
 from commlib._group import ProcessGroup
+from commlib.arrays import device_array
 from commlib.backends import nccl_emulator as emu
-from commlib.backends._cuda import device_array, nccl_unavailable_reason
+from commlib.backends._cuda import nccl_unavailable_reason
 from commlib.backends.nccl import NcclBackend
 
 
@@ -22,7 +23,7 @@ def device_group() -> ProcessGroup:
     comm = emu.NcclCommunicator(1, emu.get_unique_id(), 0)
     backend = NcclBackend(emu, emu.cuda, np, comm, host=False)
     group = ProcessGroup(backend, [0], 0, "device", 30.0, "[rank 0/1] ")
-    group.array = lambda obj, ctx, call, arg, writable=True: obj  # numpy stands in for device arrays here
+    group.buffer = lambda obj, ctx, call, arg, writable=True: obj  # numpy stands in for device arrays here
     yield group
     backend.close()
 

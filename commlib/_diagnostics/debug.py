@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from commlib.arrays import to_device, to_host
 from commlib.errors import CollectiveMismatchError
 
 __all__ = ["check", "describe", "detail"]
@@ -58,18 +59,10 @@ def check(g: Any, call: str, a: Any = None, op: Any = None, root: int | None = N
     mine = describe(call, g.seq + 1, a, op, root, shape)
     if g.size == 1:
         return
-    record = _record(mine)
     out = g.xp.zeros(g.size * _RECORD, np.uint8)
-    send = record if g.host else g.xp.asarray(record)
-    handle = g.backend.all_gather(send, out)
-    try:
-        done = handle.wait(g.timeout)
-    except Exception as e:
-        g.mark_broken(e)
-        raise
-    if not done:
-        g.fail_timeout(f"{call} (COMMLIB_DEBUG=DETAIL call check)", g.seq + 1, g.timeout)
-    table = (out if g.host else out.get()).reshape(g.size, _RECORD)
+    handle = g.backend.all_gather(to_device(_record(mine), g.xp), out)
+    g.complete(f"{call} (COMMLIB_DEBUG=DETAIL call check)", g.seq + 1, -1, g.timeout, handle.wait)
+    table = to_host(out).reshape(g.size, _RECORD)
     digests = {bytes(row[:_DIGEST]) for row in table}
     if len(digests) == 1:
         return

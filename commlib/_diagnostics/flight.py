@@ -14,6 +14,7 @@ timeout, on an uncaught exception and on SIGUSR1.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -29,6 +30,7 @@ from typing import Any
 __all__ = ["COMPLETED", "FAILED", "STARTED", "dump", "entries", "install_signal", "now", "ring", "summarize", "waiting"]
 
 STARTED, COMPLETED, FAILED = "started", "completed", "failed"
+EXIT_REASON = "the program ended (normal exit)"  # the launcher removes these dumps after a job that succeeded
 now = time.perf_counter_ns
 _EPOCH_NS = time.time_ns() - now()  # converts perf_counter_ns readings to wall-clock ns
 
@@ -148,6 +150,7 @@ def dump(reason: str) -> Path | None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         tmp.replace(path)
+        _meta["dumped"] = True
         return path
     except OSError as e:
         print(f"commlib: could not write the flight recorder dump: {e}", file=sys.stderr, flush=True)
@@ -155,8 +158,14 @@ def dump(reason: str) -> Path | None:
 
 
 def install_signal() -> None:
-    """Dump on SIGUSR1 unless ``COMMLIB_FLIGHT_SIGNAL=0`` or someone else already handles it."""
-    if not enabled or os.environ.get("COMMLIB_FLIGHT_SIGNAL", "1") == "0":
+    """Dump on SIGUSR1 unless ``COMMLIB_FLIGHT_SIGNAL=0`` or someone else already handles it; under
+    ``commlib.launch``, also at a normal exit (a rank that finished is then in the summary of a failed job)."""
+    if not enabled:
+        return
+    if os.environ.get("COMMLIB_LAUNCH_STATUS") and not _meta.get("atexit"):
+        _meta["atexit"] = True
+        atexit.register(_dump_at_exit)  # runs before MPI_Finalize (atexit is last in, first out)
+    if os.environ.get("COMMLIB_FLIGHT_SIGNAL", "1") == "0":
         return
     try:
         if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
@@ -165,6 +174,11 @@ def install_signal() -> None:
     except (ValueError, OSError, AttributeError):  # not the main thread, or no SIGUSR1 here
         return
     _note_launcher()
+
+
+def _dump_at_exit() -> None:
+    if not _meta.get("dumped"):  # a dump that says why (an error, a timeout) is worth more than this one
+        dump(EXIT_REASON)
 
 
 def _note_launcher() -> None:
@@ -199,13 +213,13 @@ def summarize(folder: Path, n: int, since_ns: int = 0) -> str:
             stuck[rank] = e
             lines.append(
                 f"  rank {rank}: {e['state']} in {e['op']} #{e['seq']} on group {e['group']!r} "
-                f"({waited:.1f} s before its dump: {doc['reason']})"
+                f"({waited:.1f} s before its dump: {_short(doc['reason'])})"
             )
         elif done:
             e = done[-1]
             lines.append(f"  rank {rank}: not in a collective; last completed {e['op']} #{e['seq']} on {e['group']!r}")
         else:
-            lines.append(f"  rank {rank}: no collective recorded ({doc['reason']})")
+            lines.append(f"  rank {rank}: no collective recorded ({_short(doc['reason'])})")
     verdict = _verdict(stuck, last)
     if verdict and silent:
         verdict[0] += f"; ranks {silent} left no record (dead or stopped?)"
@@ -227,9 +241,19 @@ def _verdict(stuck: dict[int, dict[str, Any]], last: dict[int, dict[str, Any]]) 
     behind = [r for r, e in last.items() if r not in stuck and e["group"] == group and e["seq"] < seq]
     behind = sorted(behind + [r for r, e in stuck.items() if e["group"] == group and e["seq"] < seq])
     ahead = sorted(r for r, e in last.items() if r not in stuck and e["group"] == group and e["seq"] >= seq)
+    later = {r: e for r, e in stuck.items() if e["group"] == group and e["seq"] > seq}
     text = f"ranks {waiting} did not complete {first['op']} #{seq} on group {group!r}"
     if behind:
         text += f"; ranks {behind} never reached it"
     if ahead:
         text += f"; ranks {ahead} moved on past it"
+    if later:
+        where = ", ".join(f"rank {r} in {e['op']} #{e['seq']}" for r, e in sorted(later.items()))
+        text += f"; ranks {sorted(later)} moved on past it ({where}): a mismatched program?"
     return [text]
+
+
+def _short(reason: str) -> str:
+    """A dump's reason in one line of at most 160 characters (an MPI error stack is many)."""
+    line = reason.splitlines()[0] if reason else ""
+    return line if len(line) <= 160 else line[:157] + "..."

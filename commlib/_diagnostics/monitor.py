@@ -6,7 +6,7 @@ by ``commlib.launch``), else one that world rank 0 serves, its address sent to
 the others over MPI once at initialisation (cost: well under a millisecond).
 
 Nothing is written on the hot path. A wait that has lasted more than 0.25 s
-(``backends._base.poll``'s slow path) publishes ``rank r waiting in <op> #seq``
+(``backends.base.poll``'s slow path) publishes ``rank r waiting in <op> #seq``
 once, and then every half second checks whether a rank has reported a failure; a rank
 whose exception is uncaught reports it before MPI_Abort ends the job. On a
 timeout the waiting rank reads every rank's progress to say who arrived.
@@ -56,7 +56,7 @@ _state = _State()
 
 def setup(backend: Any, timeout: float) -> None:
     """At world creation, on every rank: find the job's store, or serve one on world rank 0."""
-    from commlib.backends import _base
+    from commlib.backends import base as _base
 
     _state.rank, _state.size = backend.rank, backend.size
     job = os.environ.get("COMMLIB_JOB_ID", "")

@@ -12,10 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from commlib._arrays import DTYPES, reject
 from commlib.errors import BackendUnavailableError
 
-__all__ = ["device_array", "device_count", "load", "nccl_unavailable_reason"]
+__all__ = ["device_count", "load", "nccl_unavailable_reason"]
 
 
 def nccl_unavailable_reason() -> str | None:
@@ -53,23 +52,6 @@ def load(emulated: bool) -> tuple[Any, Any, Any, bool]:
     from cupy.cuda import nccl
 
     return nccl, cupy.cuda, cupy, False
-
-
-def device_array(obj: object, ctx: object, call: str, arg: str, writable: bool = True) -> Any:
-    """``obj`` as a contiguous cupy array sharing its device memory (cupy, torch CUDA, any CUDA array)."""
-    import cupy
-
-    where = f"{ctx.label}{call}"
-    if not hasattr(obj, "__cuda_array_interface__") and not isinstance(obj, cupy.ndarray):
-        raise TypeError(
-            f"{where}: {arg} must be a GPU array for the nccl backend (cupy array, torch CUDA tensor, or any "
-            f"__cuda_array_interface__ exporter), got {type(obj).__module__}.{type(obj).__qualname__}; "
-            "host arrays go through backend='mpi'"
-        )
-    a = obj if isinstance(obj, cupy.ndarray) else cupy.asarray(obj)  # zero-copy view of the interface
-    if a.dtype not in DTYPES or not a.flags.c_contiguous:
-        reject(a, where, arg, writable=False)  # device memory has no read-only flag to check
-    return a
 
 
 def device_count() -> int:

@@ -14,15 +14,16 @@ import functools
 import os
 import sys
 import time
+import zlib
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from commlib._arrays import LOW_PRECISION, bfloat16
 from commlib._ops import ReduceOp
-from commlib.backends._base import DONE, Chained, Handle, poll
-from commlib.errors import CommError, CommTimeoutError
+from commlib.arrays import LOW_PRECISION, bfloat16
+from commlib.backends.base import DONE, RESERVED_TAGS, Backend, Chained, Handle, poll
+from commlib.errors import CommTimeoutError, TransportError
 
 __all__ = ["MpiBackend", "world"]
 
@@ -80,8 +81,8 @@ def _average(buf: np.ndarray, n: int) -> None:
     np.divide(flat, n, out=flat)
 
 
-def _mpi_error(e: MPI.Exception) -> CommError:
-    return CommError(f"MPI reported an error: {e.Get_error_string()}")
+def _mpi_error(e: MPI.Exception) -> TransportError:
+    return TransportError(f"MPI reported an error: {e.Get_error_string()}")
 
 
 class _Req:
@@ -111,6 +112,9 @@ class _Req:
             return poll(test, timeout)
         except MPI.Exception as e:
             raise _mpi_error(e) from None
+
+    def defer(self) -> bool:
+        return False  # host memory: the caller waits
 
 
 class _Reqs(_Req):
@@ -167,7 +171,7 @@ _REDUCTIONS = {(d, op): _reduction(d, op) for d in _MOVE_TYPE for op in ReduceOp
 _KINDS = ("reduce", "reduce_scatter", "broadcast", "all_gather", "gather", "scatter", "all_to_all", "barrier")
 
 
-class MpiBackend:
+class MpiBackend(Backend):
     """Moves host buffers between the ranks of one MPI communicator."""
 
     name = "mpi"
@@ -176,11 +180,10 @@ class MpiBackend:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        # Users get tags up to max_tag; the two above it carry commlib's own p2p traffic.
-        self.max_tag = int(comm.Get_attr(MPI.TAG_UB)) - 2
-        # COMMLIB_MPI_COMPOSED=1 routes all_to_all/gather/scatter through commlib's send/recv
-        # compositions (the code path backends without native calls use), for testing them.
-        self.native_composites = os.environ.get("COMMLIB_MPI_COMPOSED") != "1"
+        self.max_tag = int(comm.Get_attr(MPI.TAG_UB)) - RESERVED_TAGS
+        # COMMLIB_MPI_COMPOSED=1 routes all_to_all/gather/scatter through the send/recv
+        # compositions of the Backend base class (what backends without native calls use), to test them.
+        self.native = os.environ.get("COMMLIB_MPI_COMPOSED") != "1"
         self._abandoned: list[tuple[MPI.Request, np.ndarray]] = []
         # Every kind of collective on the base communicator until separate_kinds() gives each its own.
         self._dups: list[MPI.Comm] = []
@@ -293,11 +296,15 @@ class MpiBackend:
         return _Req(self.all_gather_comm.Iallgather(sb, [recvbuf, t]), (sendbuf, recvbuf))
 
     def gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int) -> Handle:
+        if not self.native:
+            return super().gather(sendbuf, recvbuf, root)
         t = _MOVE_TYPE[sendbuf.dtype]
         rb = [recvbuf, t] if recvbuf is not None else None
         return _Req(self.gather_comm.Igather([sendbuf, t], rb, root), (sendbuf, recvbuf))
 
     def scatter(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int) -> Handle:
+        if not self.native:
+            return super().scatter(sendbuf, recvbuf, root)
         t = _MOVE_TYPE[recvbuf.dtype]
         sb = [sendbuf, t] if sendbuf is not None else None
         return _Req(self.scatter_comm.Iscatter(sb, [recvbuf, t], root), (sendbuf, recvbuf))
@@ -306,6 +313,8 @@ class MpiBackend:
         self, sendbuf: np.ndarray, send_counts: list[int], recvbuf: np.ndarray, recv_counts: list[int]
     ) -> Handle:
         """Uneven all-to-all: ``send_counts[i]`` elements go to rank i, in rank order."""
+        if not self.native:
+            return super().all_to_all(sendbuf, send_counts, recvbuf, recv_counts)
         t = _MOVE_TYPE[recvbuf.dtype]
         sd, rd = np.cumsum([0, *send_counts[:-1]]), np.cumsum([0, *recv_counts[:-1]])
         spec_s = [sendbuf, (list(send_counts), [int(x) for x in sd]), t]
@@ -319,12 +328,6 @@ class MpiBackend:
         src = MPI.ANY_SOURCE if peer is None else peer
         return _Recv(self.comm.Irecv([buf, _MOVE_TYPE[buf.dtype]], src, tag), MPI.Status(), buf)
 
-    def group_start(self) -> None:
-        """Nonblocking MPI p2p never deadlocks on posting order, so a group needs no bracket."""
-
-    def group_end(self) -> None:
-        """See :meth:`group_start`."""
-
     def barrier(self) -> Handle:
         return _Req(self.barrier_comm.Ibarrier()) if self.size > 1 else DONE
 
@@ -333,12 +336,20 @@ class MpiBackend:
         """Sub-communicator of ``ranks`` (in that order); collective over this communicator."""
         # A nonblocking barrier first, so a missing rank times out instead of hanging in Split.
         if not _Req(self.comm.Ibarrier()).wait(timeout):
-            raise CommTimeoutError(f"new_group: not every rank called new_group within {timeout:.1f} s")
+            raise CommTimeoutError(f"not every rank called new_group within {timeout:.1f} s")
         member = self.rank in ranks
         sub = self.comm.Split(0 if member else MPI.UNDEFINED, ranks.index(self.rank) if member else 0)
         if not member:
             return None
         backend = MpiBackend(sub)
+        backend.separate_kinds(timeout)
+        return backend
+
+    def create_group(self, ranks: list[int], timeout: float) -> MpiBackend:
+        """Sub-communicator of ``ranks`` (in that order), made by its members alone (MPI_Comm_create_group)."""
+        self.rendezvous(ranks, timeout)  # every member is here: Create_group, which cannot time out, will not wait
+        tag = zlib.crc32(repr(ranks).encode()) % 32768  # tells concurrent creations over overlapping ranks apart
+        backend = MpiBackend(self.comm.Create_group(self.comm.Get_group().Incl(ranks), tag))
         backend.separate_kinds(timeout)
         return backend
 

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from commlib._arrays import address, bfloat16, host_array
 from commlib._ops import ReduceOp
-from commlib.backends._base import Handle, poll
-from commlib.backends._cuda import device_array, load, nccl_unavailable_reason
+from commlib.arrays import address, bfloat16, device_array, host_array
+from commlib.backends._cuda import load, nccl_unavailable_reason
+from commlib.backends.base import RESERVED_TAGS, Backend, Handle, poll
 from commlib.errors import CommError
 
-__all__ = ["NcclBackend", "check_reduction", "device_array", "load", "nccl_unavailable_reason"]
+__all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unique_id"]
 
 _TYPE_NAMES = {
     np.dtype(np.int8): "NCCL_INT8",
@@ -97,25 +97,46 @@ class _EventHandle:
     def wait(self, timeout: float) -> bool:
         return self.test() or poll(self.test, timeout)
 
-    def defer(self) -> None:
+    def defer(self) -> bool:
         """Make the caller's current stream wait for this work, without blocking the host."""
+        if self.event is None:  # still inside an open NCCL group: nothing recorded to wait on yet
+            return False
         self.backend.caller_stream(self.keep).wait_event(self.event)
+        return True
 
 
-class NcclBackend:
-    """Moves device (or, emulated, host) buffers between the ranks of one NCCL communicator."""
+def unique_id(nccl: Any) -> bytes:
+    """A fresh ncclUniqueId as 128 bytes (cupy returns bytes; older cupy, a tuple of ints)."""
+    made = nccl.get_unique_id()
+    return made if isinstance(made, bytes) else bytes(np.asarray(made).astype(np.uint8))
+
+
+class NcclBackend(Backend):
+    """Moves device (or, emulated, host) buffers between the ranks of one NCCL communicator.
+
+    all_to_all, gather and scatter are the base class's grouped send/recv, as NCCL advises.
+    ``bootstrap`` is the backend whose :meth:`~Backend.rendezvous` carries unique ids to new
+    groups' members, and ``bootstrap_ranks[r]`` is its rank for this communicator's rank r.
+    """
 
     name = "nccl"
-    native_composites = False  # all_to_all, gather, scatter: commlib's grouped send/recv, as NCCL advises
     any_source = False  # NCCL receives only from a named peer
-    max_tag = 2**31 - 3  # NCCL has no tags: accepted and ignored, as by torch's nccl backend
+    max_tag = 2**31 - 1 - RESERVED_TAGS  # NCCL has no tags: accepted and ignored, as by torch's nccl backend
 
-    def __init__(self, nccl: Any, cuda: Any, xp: Any, comm: Any, host: bool) -> None:
+    def __init__(
+        self,
+        nccl: Any,
+        cuda: Any,
+        xp: Any,
+        comm: Any,
+        host: bool,
+        bootstrap: Backend | None = None,
+        bootstrap_ranks: list[int] | None = None,
+    ) -> None:
         self.nccl, self.cuda, self.xp, self.comm, self.host = nccl, cuda, xp, comm, host
         self.rank, self.size = comm.rank_id(), comm.size()
+        self.bootstrap, self.bootstrap_ranks = bootstrap, bootstrap_ranks or list(range(self.size))
         self.stream = cuda.Stream(non_blocking=True)
-        self.validate = host_array if host else device_array
-        self.check_reduction = check_reduction
         self._types = {d: getattr(nccl, n) for d, n in _TYPE_NAMES.items()}
         self._ops = {op: getattr(nccl, n) for op, n in _OP_NAMES.items()}
         self._depth = 0
@@ -124,6 +145,14 @@ class NcclBackend:
 
     def __repr__(self) -> str:
         return f"<NcclBackend rank {self.rank}/{self.size} over {self.comm!r}>"
+
+    def array(self, obj: object, ctx: Any, call: str, arg: str, writable: bool = True) -> Any:
+        """Host arrays on the emulator, device arrays (cupy, torch CUDA) on GPUs."""
+        return (host_array if self.host else device_array)(obj, ctx, call, arg, writable)
+
+    def unsupported(self, dtype: np.dtype, op: ReduceOp) -> str | None:
+        """What NCCL cannot reduce: bitwise ops, xor on bool, 16-bit integers, complex products."""
+        return check_reduction(dtype, op)
 
     # -- plumbing -----------------------------------------------------------------
     def caller_stream(self, keep: tuple = ()) -> Any:
@@ -235,7 +264,19 @@ class NcclBackend:
         """Sub-communicator of ``ranks`` through ``commSplit`` (collective over this communicator)."""
         member = self.rank in ranks
         sub = self.comm.commSplit(0 if member else _SPLIT_NOCOLOR, ranks.index(self.rank) if member else 0)
-        return NcclBackend(self.nccl, self.cuda, self.xp, sub, self.host) if member else None
+        return self._sub(sub, ranks) if member else None
+
+    def create_group(self, ranks: list[int], timeout: float) -> NcclBackend:
+        """Sub-communicator of ``ranks`` made by its members alone: a fresh unique id from ``ranks[0]``."""
+        if self.bootstrap is None:
+            raise CommError("new_group(use_local_synchronization=True): this NCCL communicator has no bootstrap")
+        uid = unique_id(self.nccl) if self.rank == ranks[0] else b""
+        uid = self.bootstrap.rendezvous([self.bootstrap_ranks[r] for r in ranks], timeout, uid)
+        return self._sub(self.nccl.NcclCommunicator(len(ranks), uid, ranks.index(self.rank)), ranks)
+
+    def _sub(self, comm: Any, ranks: list[int]) -> NcclBackend:
+        mapped = [self.bootstrap_ranks[r] for r in ranks]
+        return NcclBackend(self.nccl, self.cuda, self.xp, comm, self.host, self.bootstrap, mapped)
 
     def abort(self) -> None:
         """Abort the communicator: unblocks work stuck on a dead peer (NCCL's ncclCommAbort)."""

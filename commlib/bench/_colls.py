@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import commlib as dist
-from commlib._ops import ReduceOp
+from commlib import ReduceOp
 from commlib.bench import _data
 from commlib.bench._specs import Layout
 

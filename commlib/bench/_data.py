@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from commlib._ops import ReduceOp
+from commlib import ReduceOp
 
 __all__ = ["count_wrong", "inputs", "reduced", "tolerance"]
 

@@ -248,10 +248,10 @@ def _write_outputs(s: Settings, rows: list[Row], sections: list[dict[str, Any]],
 
 def run(s: Settings) -> int:
     """Run the benchmark on this rank of an initialised job; rank 0 prints. Returns the exit code."""
-    from commlib._world import resolve  # the group's array module: numpy, or cupy under real NCCL
+    import commlib.groups
 
-    group = resolve(None, "commlib.bench")
-    job = _Job(s, dist.get_rank(), dist.get_world_size(), group.xp, group.host)
+    xp = commlib.groups.array_module()  # numpy, or cupy under real NCCL
+    job = _Job(s, dist.get_rank(), dist.get_world_size(), xp, xp is np)
     backend = dist.get_backend()
     job.say(header_line(s.minbytes, s.maxbytes, s.stepfactor, s.stepbytes, s.warmup, s.iters, s.check))
     job.say("#\n# Using devices")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from commlib._arrays import bfloat16
-from commlib._ops import ReduceOp
+from commlib import ReduceOp
+from commlib.arrays import bfloat16
 
 __all__ = [
     "COLLECTIVES",

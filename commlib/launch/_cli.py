@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -13,15 +13,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlib.launch._mpiexec import find_mpiexec, kill_group_or_process, pid_alive, send_signal
+from commlib.launch._mpiexec import find_mpiexec
+from commlib.launch._supervise import supervise
 
 __all__ = ["build_command", "main", "parse_args"]
-
-_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the other workers when one fails
-# After a worker raised, how long the others get to fail by themselves (they learn who failed through
-# the job store within ~1 s, and the failed rank then ends the job with MPI_Abort) before SIGTERM.
-_SETTLE = 4.0
-_DUMP_WAIT = 0.5  # how long the workers get to write their flight recorder dumps after SIGUSR1
 
 
 def _nproc(value: str) -> int:
@@ -156,7 +151,7 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
 
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, forward)
-        code, failure = _supervise(proc, Path(status), args.nproc_per_node)
+        code, failure = supervise(proc, Path(status), args.nproc_per_node)
         for server in (store, monitor):
             if server is not None:
                 server.stop() if hasattr(server, "stop") else server.close()
@@ -171,7 +166,27 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         )
         _print_flight_summary(flight, args, started_ns)
         return rank_code or _status(code) or 1
+    if code == 0:
+        _forget_exit_dumps(flight, started_ns)
     return _status(code)
+
+
+def _forget_exit_dumps(folder: Path, since_ns: int) -> None:
+    """After a job that succeeded, remove the flight records its ranks wrote on their way out (nothing to read)."""
+    from commlib._diagnostics.flight import EXIT_REASON
+
+    try:
+        paths = list(folder.glob("rank*.json"))
+    except OSError:  # gone already (another launcher of the same job on this host shares the folder)
+        return
+    for path in paths:
+        try:
+            if path.stat().st_mtime_ns >= since_ns and EXIT_REASON in path.read_text()[:4096]:
+                path.unlink()
+        except OSError:
+            continue
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # only if empty
 
 
 def _status(code: int) -> int:
@@ -229,109 +244,3 @@ def _serve_store(args: argparse.Namespace) -> object | None:
 
     token = os.environ.get("COMMLIB_STORE_TOKEN")
     return TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False, token=token)
-
-
-def _supervise(proc: subprocess.Popen, status: Path, n: int) -> tuple[int, tuple[int, int, str] | None]:
-    """Wait for the job; when a worker fails, stop the others (SIGTERM, then SIGKILL after the grace).
-
-    A worker that raised gives the others up to ``_SETTLE`` s to fail by themselves (the job
-    store tells them who failed); then the survivors are asked for flight recorder dumps.
-    """
-    failure, term_at, kill_at, gone, watch = None, None, None, {}, _Exits(status, n)
-    while (code := proc.poll()) is None:
-        watch.wait(0.05, gone)
-        if failure is None and (failure := _first_failure(status, n, gone)) is not None:
-            raised = failure[1] and "sys.exit(" not in failure[2]  # an exception: the others are told
-            term_at = time.monotonic() + (_SETTLE if raised else 0.0)
-        if term_at is not None and time.monotonic() >= term_at:
-            if _request_dumps(status, n):
-                time.sleep(_DUMP_WAIT)
-            proc.send_signal(signal.SIGTERM)
-            term_at, kill_at = None, time.monotonic() + _GRACE
-        elif kill_at is not None and time.monotonic() > kill_at:
-            _kill_workers(status, n)
-            proc.kill()
-            kill_at = None
-    watch.wait(0, gone)
-    watch.close()
-    _kill_workers(status, n)  # whatever hydra left behind (ranks run in sessions of their own)
-    return code, failure or _first_failure(status, n, gone)
-
-
-def _request_dumps(status: Path, n: int) -> bool:
-    """SIGUSR1 to the live workers that dump their flight recorder on it; whether any was asked."""
-    asked = False
-    for rank in range(n):
-        note, pid = status / f"rank{rank}.flight", status / f"rank{rank}.pid"
-        if note.exists() and pid.exists() and not (status / f"rank{rank}.exit").exists():
-            worker = int(pid.read_text())
-            if pid_alive(worker):
-                asked = send_signal(worker, signal.SIGUSR1) or asked
-    return asked
-
-
-class _Exits:
-    """Notices worker exits the moment they happen, through pidfds (the workers are hydra's children).
-
-    When one worker is killed by a signal hydra SIGKILLs the rest within
-    milliseconds; waking on the first exit is what tells the culprit apart.
-    """
-
-    def __init__(self, status: Path, n: int) -> None:
-        self.status, self.n, self.fds = status, n, {}
-
-    def wait(self, timeout: float, gone: dict[int, float]) -> None:
-        for rank in range(self.n):
-            pid = self.status / f"rank{rank}.pid"
-            if rank not in self.fds and pid.exists():
-                try:
-                    self.fds[rank] = os.pidfd_open(int(pid.read_text()))
-                except (OSError, AttributeError, ValueError):
-                    self.fds[rank] = None  # already gone, or no pidfd here: _first_failure polls the pid
-        if len(self.fds) < self.n:
-            timeout = min(timeout, 0.005)  # open every pidfd quickly: a rank that dies before is timed by polling
-        ready, _, _ = select.select([fd for fd in self.fds.values() if fd is not None], [], [], timeout)
-        now = time.monotonic()
-        for rank, fd in self.fds.items():
-            if fd in ready and not (self.status / f"rank{rank}.exit").exists():
-                gone.setdefault(rank, now)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            if fd is not None:
-                os.close(fd)
-
-
-def _first_failure(status: Path, n: int, gone: dict[int, float]) -> tuple[int, int, str] | None:
-    """(rank, exit code, reason) of the first worker that failed, from the workers' notes and pids.
-
-    A worker that wrote no note died by a signal; hydra then SIGKILLs the others at
-    once, so the culprit is the one that vanished first (``gone`` remembers when).
-    """
-    failed, now = [], time.monotonic()  # one time per scan: ranks found dead in the same scan tie
-    for rank in range(n):
-        note, pid = status / f"rank{rank}.exit", status / f"rank{rank}.pid"
-        if note.exists():
-            code, _, why = note.read_text().partition(" ")
-            if code != "0":
-                failed.append((note.stat().st_mtime, rank, int(code), f"exit code {code}: {why}"))
-        elif pid.exists() and not pid_alive(int(pid.read_text())):
-            gone.setdefault(rank, now)
-    if failed:
-        return min(failed)[1:]
-    if gone:
-        first = min(gone.values())
-        ranks = sorted(r for r, t in gone.items() if t == first)
-        if len(ranks) == 1:
-            return ranks[0], 0, "it died without exiting normally, e.g. killed by a signal"
-        # Seen dead together: hydra SIGKILLs the others the moment one dies, and on a busy machine the
-        # launcher may only wake after that. Say so rather than guess (hydra's own report lists by rank).
-        return ranks[0], 0, f"ranks {ranks} were found dead together; one was killed by a signal, then the others"
-    return None
-
-
-def _kill_workers(status: Path, n: int) -> None:
-    for rank in range(n):
-        pid = status / f"rank{rank}.pid"
-        if pid.exists() and pid_alive(int(pid.read_text())):
-            kill_group_or_process(int(pid.read_text()))

@@ -7,6 +7,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import TypeVar
 
+from commlib._timeouts import as_seconds as _as_seconds
 from commlib.errors import CommError
 
 __all__ = ["Store", "StoreProtocolError", "StoreTokenError", "as_bytes", "as_key", "as_keys", "as_seconds"]
@@ -24,11 +25,8 @@ class StoreProtocolError(CommError):
 
 
 def as_seconds(timeout: timedelta | float) -> float:
-    """Return ``timeout`` (a timedelta or a number of seconds) as non-negative float seconds."""
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not seconds >= 0:  # also rejects NaN
-        raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
-    return seconds
+    """``timeout`` (a timedelta or a number of seconds) as float seconds, zero allowed (commlib's one rule)."""
+    return _as_seconds(timeout, "store", zero_ok=True)
 
 
 def as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
