@@ -244,7 +244,39 @@ def collectives_job(skip: tuple[str, ...] = ()) -> dict:
             problems[name] = f"got {got}, want {want}"
         elif theirs != got:
             problems[name] = f"commlib {got} != gloo {theirs}"
+    if n > 1:
+        problems.update(_subgroups(n, r))
     dist.destroy_process_group()
+    return problems
+
+
+def _subgroups(n: int, r: int) -> dict:
+    """torch sub-groups (created on their members only) and, on 4 ranks, DTensor on a 2-D mesh."""
+    import torch
+    import torch.distributed as dist
+
+    problems = {}
+    pair = dist.new_group([n - 1, 0])  # every rank calls it; torch creates it on ranks 0 and n-1 only
+    if r in (0, n - 1):
+        t = torch.full((2,), float(r + 1))
+        dist.all_reduce(t, group=pair)
+        if t.tolist() != [float(n + 1)] * 2:
+            problems["new_group([n-1, 0]) all_reduce"] = f"got {t.tolist()}"
+    if r >= 1:  # only the members call it
+        rest = dist.new_group(list(range(1, n)), use_local_synchronization=True)
+        t = torch.full((3,), float(r))
+        dist.broadcast(t, group=rest, group_src=0)
+        if t.tolist() != [1.0] * 3 or dist.get_rank(rest) != r - 1:
+            problems["new_group(use_local_synchronization) broadcast"] = f"got {t.tolist()}"
+    if n == 4:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2, 2))
+        a = torch.arange(24.0).reshape(8, 3)
+        d = distribute_tensor(a, mesh, [Shard(0), Shard(1)]).redistribute(mesh, [Replicate(), Replicate()])
+        if not torch.equal(d.to_local(), a):
+            problems["DTensor 2-D mesh (S(0), S(1)) -> (R, R)"] = f"got {d.to_local().tolist()}"
     return problems
 
 
