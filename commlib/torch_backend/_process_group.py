@@ -118,6 +118,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
             started = start(True)
         works = [w for w in (started if isinstance(started, list) else [started]) if w is not None]
         work = TorchWork(works, result, call, own or self._timeout, finish)
+        work._queue = self  # collectives of one group complete in issue order (the progress thread tests the oldest)
         if blocking:
             work.wait()
         else:

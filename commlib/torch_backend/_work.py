@@ -31,6 +31,7 @@ LOCK = threading.RLock()
 
 _SPIN_S = 0.0002  # a waiting caller polls without sleeping this long (small messages finish within it)
 _NAP_S = 0.00005  # then, and in the progress thread, it sleeps this long between polls
+_MAX_NAP_S = 0.0008  # the progress thread's longest nap while nothing completes
 _LAST_LOOK_S = 0.001  # past its deadline, a Work gets this last wait in commlib, which then raises its timeout error
 
 
@@ -59,6 +60,7 @@ class TorchWork(dist.Work):
         self._source: Callable[[Any], int] | None = None  # recv from any source: commlib Work -> group rank
         self._last = works[-1] if works else None
         self._before: Callable[[], None] | None = None  # posts this work first (queued nccl point-to-point)
+        self._queue: object = None  # collectives: their group (complete in issue order); None: independent
 
     def __repr__(self) -> str:
         return f"<commlib TorchWork {self._call} {'completed' if self._done.is_set() else 'pending'}>"
@@ -188,6 +190,7 @@ class _Progress:
             self.wake.notify()
 
     def _run(self) -> None:
+        nap = _NAP_S
         while True:
             with self.wake:
                 while not self.pending and not self.stopping:
@@ -195,12 +198,28 @@ class _Progress:
                 if self.stopping:
                     return
                 works = list(self.pending)
-            done = [w for w in works if w._poll()]
+            done = self._sweep(works)
             with self.wake:
                 for w in done:
                     self.pending.remove(w)
+            # Back off while nothing completes (each test costs the compute threads the GIL and a core);
+            # MPI moves a transfer forward only when tested, so the naps stay short.
+            nap = _NAP_S if done else min(nap * 2, _MAX_NAP_S)
             if len(done) < len(works):
-                time.sleep(_NAP_S)
+                time.sleep(nap)
+
+    @staticmethod
+    def _sweep(works: list[TorchWork]) -> list[TorchWork]:
+        """Test the works that can complete now: of each group's collectives only the oldest pending one."""
+        done, blocked = [], set()
+        for w in works:
+            if w._queue is not None and id(w._queue) in blocked:
+                continue
+            if w._poll():
+                done.append(w)
+            elif w._queue is not None:
+                blocked.add(id(w._queue))
+        return done
 
     def stop(self) -> None:
         """Stop the thread (at exit, or when the process group is destroyed); pending Works stay pending."""
