@@ -118,7 +118,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
             started = start(True)
         works = [w for w in (started if isinstance(started, list) else [started]) if w is not None]
         work = TorchWork(works, result, call, own or self._timeout, finish)
-        work._queue = self  # collectives of one group complete in issue order (the progress thread tests the oldest)
+        if opts is not None:  # a collective: those of one group complete in issue order (only the oldest is tested)
+            work._queue = self
         if blocking:
             work.wait()
         else:
