@@ -1,4 +1,5 @@
-"""torch.distributed's own API on ``backend="commlib"``: every collective against numpy and gloo, on 1-4 ranks.
+"""torch.distributed's own API on ``backend="commlib"``: every collective against numpy and gloo, on 1-4 ranks;
+torch's DDP, FSDP2 and DTensor on 2 and 3 ranks (scenarios in torch_models.py).
 
 Each job runs many scenarios and returns ``{scenario: problem}``; a test fails naming the
 scenarios whose result was wrong. The same calls run on a gloo group of the same ranks, so
@@ -222,7 +223,7 @@ def _p2p(n: int, r: int) -> dict:
     }
 
 
-def collectives_job(skip: tuple[str, ...] = ()) -> dict:
+def collectives_job(skip: tuple[str, ...] = (), models: bool = False) -> dict:
     import datetime
 
     import torch.distributed as dist
@@ -246,6 +247,10 @@ def collectives_job(skip: tuple[str, ...] = ()) -> dict:
             problems[name] = f"commlib {got} != gloo {theirs}"
     if n > 1:
         problems.update(_subgroups(n, r))
+    if models:
+        from torch_models import model_problems
+
+        problems.update(model_problems(n, r, gloo))
     dist.destroy_process_group()
     return problems
 
@@ -281,8 +286,9 @@ def _subgroups(n: int, r: int) -> dict:
 
 
 @pytest.mark.parametrize("n", world_sizes)
-def test_torch_collectives_match_numpy_and_gloo(n: int) -> None:
-    results = run(collectives_job, n, timeout=120, env=free_port_env())
+def test_torch_collectives_ddp_fsdp2_dtensor(n: int) -> None:
+    """Every collective on n ranks; on 2 and 3 ranks also DDP, FSDP2 and DTensor (torch_models.py)."""
+    results = run(collectives_job, n, (), n in (2, 3), timeout=240, env=free_port_env())
     for rank, problems in enumerate(results):
         assert problems == {}, f"rank {rank}: {problems}"
 

@@ -1,13 +1,9 @@
-"""torch's DDP, FSDP2 and DTensor on ``backend="commlib"``: equal to gloo and to one process on the whole batch."""
+"""Scenarios for torch's DDP, FSDP2 and DTensor on ``backend="commlib"`` (run by test_torch_backend.py's jobs).
+
+Each returns ``{scenario: problem}``: equal to gloo, and to one process on the whole batch.
+"""
 
 from __future__ import annotations
-
-import pytest
-from test_torch_backend import free_port_env, init_torch
-
-from commlib.testing import run
-
-pytest.importorskip("torch")
 
 
 def _mlp(dtype):  # type: ignore[no-untyped-def]
@@ -134,21 +130,6 @@ def _dtensor(n: int, r: int) -> dict:
     return problems
 
 
-def models_job() -> dict:
-    import datetime
-
-    import torch.distributed as dist
-
-    init_torch()
-    n, r = dist.get_world_size(), dist.get_rank()
-    gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
-    problems = {**_ddp(n, r, gloo), **_fsdp(r, gloo), **_dtensor(n, r)}
-    dist.destroy_process_group()
-    return problems
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_ddp_fsdp2_dtensor_equal_gloo_and_single_process(n: int) -> None:
-    results = run(models_job, n, timeout=180, env=free_port_env())
-    for rank, problems in enumerate(results):
-        assert problems == {}, f"rank {rank}: {problems}"
+def model_problems(n: int, r: int, gloo) -> dict:  # type: ignore[no-untyped-def]
+    """DDP (3 modes), FSDP2 (fp32, bf16) and DTensor scenarios on the default (commlib) group."""
+    return {**_ddp(n, r, gloo), **_fsdp(r, gloo), **_dtensor(n, r)}
