@@ -25,10 +25,13 @@ def create(opts: Any, pg_options: Any = None) -> CommlibProcessGroup:
 def _commlib_group(members: list[int], timeout: float) -> Any:
     """The commlib group for torch's group: the world (``None``) or a new group of ``members``."""
     if not members:  # torch's default group
-        try:
+        if not commlib.is_initialized():
             commlib.init_process_group(timeout=timeout)
             return None
-        except RuntimeError:  # commlib's default group was set up explicitly before: keep it, add ours
+        try:  # a world made by an earlier commlib call is adopted, with torch's timeout
+            commlib.init_process_group(timeout=timeout)
+            return None
+        except RuntimeError:  # ... one set up by init_process_group stays as it is: torch gets a group of its own
             return commlib.new_group(timeout=timeout, group_desc="torch default group")
     if members == list(range(commlib.get_world_size())):
         return commlib.new_group(members, timeout=timeout, sort_ranks=False)  # every rank is here: collective
