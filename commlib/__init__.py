@@ -117,3 +117,16 @@ def is_nccl_available() -> bool:
     from commlib.backends.nccl import nccl_unavailable_reason
 
     return emulated() or nccl_unavailable_reason() is None
+
+
+def _register_with_torch() -> None:
+    """Register the "commlib" torch.distributed backend when torch is already imported (never imports torch)."""
+    import sys
+
+    if "torch" in sys.modules:
+        from commlib import torch_backend
+
+        torch_backend.register()
+
+
+_register_with_torch()
