@@ -1,19 +1,34 @@
 """Host-side overhead of one nccl-backend all_reduce call: everything but the NCCL call itself.
 
-    python benchmarks/nccl_overhead.py
+    python benchmarks/nccl_overhead.py                  # this checkout
+    python benchmarks/nccl_overhead.py --at 696fd95     # this checkout against an older commit, same run
 
 The nccl backend runs against a null NCCL module (every call returns at once)
 and a null CUDA runtime (events complete at once), so what is timed is commlib's
 own work per call: argument checks, dtype/op mapping, stream ordering, handle,
-wait. Target: <= 5 us per all_reduce. Single process; not a test.
+wait. Two paths: "emulated" (host arrays, the group waits on the host, as on the
+CPU emulator) and "device" (the backend and its group made for device memory, as
+on a GPU: the caller's stream waits, the host does not). Target: <= 5 us per
+all_reduce. Single process; not a test.
+
+``--at REV`` checks REV out into a temporary git worktree and runs this very
+measurement (this file, which uses only what every version of the backend has)
+against that checkout and this one in alternating subprocesses, then prints both
+medians and their ratio: a figure comparable across commits on one machine.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 
@@ -85,23 +100,65 @@ def _null_cuda() -> types.SimpleNamespace:
     return types.SimpleNamespace(Stream=Stream, Event=Event, get_current_stream=lambda: Stream())
 
 
-def main() -> None:
+def measure(rounds: int = 15, calls: int = 20000) -> dict[str, float]:
+    """Median microseconds per all_reduce on each path, for the commlib that ``import commlib`` finds."""
     nccl = _null_nccl()
     x = np.zeros(2, np.float32)
-    for label, host in (("as emulated (host arrays)", True), ("as on a GPU (stream ordering)", False)):
-        backend = NcclBackend(nccl, _null_cuda(), np, nccl.NcclCommunicator(2, (), 0), host=host)
+    out = {}
+    for path, host in (("emulated", True), ("device", False)):
+        backend = NcclBackend(nccl, _null_cuda(), np, nccl.NcclCommunicator(2, (), 0), host)
         group = ProcessGroup(backend, [0, 1], 0, "null", 60.0, "[rank 0/2] ")
-        group.buffer = backend.array = lambda obj, ctx, call, arg, writable=True: obj  # numpy plays device memory
+        passthrough = lambda obj, *args, **kwargs: obj  # noqa: E731 - numpy plays device memory
+        for name in ("buffer", "array"):  # the intake's name in this version, and in older ones
+            if hasattr(group, name):
+                setattr(group, name, passthrough)
         runs = []
-        for _ in range(15):
+        for _ in range(rounds):
             start = time.perf_counter()
-            for _ in range(20000):
+            for _ in range(calls):
                 dist.all_reduce(x, group=group)
-            runs.append((time.perf_counter() - start) / 20000 * 1e6)
-        print(
-            f"nccl backend host overhead per all_reduce, {label}: median {statistics.median(runs):.2f} us, "
-            f"min {min(runs):.2f} us (target <= 5 us)"
-        )
+            runs.append((time.perf_counter() - start) / calls * 1e6)
+        out[path] = statistics.median(runs)
+    return out
+
+
+def _at(rev: str, repeats: int) -> None:
+    """Run :func:`measure` on this checkout and on ``rev`` in alternating subprocesses; print medians and ratios."""
+    here = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="commlib-at-") as tmp:
+        old = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach", str(old), rev], check=True,
+                       capture_output=True)  # fmt: skip
+        try:
+            results: dict[str, list[dict[str, float]]] = {"this checkout": [], rev: []}
+            for _ in range(repeats):
+                for label, tree in (("this checkout", here), (rev, old)):
+                    env = {**os.environ, "PYTHONPATH": str(tree)}
+                    proc = subprocess.run([sys.executable, __file__, "--measure"], env=env, cwd=tree,
+                                          capture_output=True, text=True, check=True)  # fmt: skip
+                    results[label].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        finally:
+            subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(old)], capture_output=True)
+    print(f"# nccl backend host overhead per all_reduce (us), median of {repeats} alternating runs each")
+    for path in ("emulated", "device"):
+        now = statistics.median(r[path] for r in results["this checkout"])
+        then = statistics.median(r[path] for r in results[rev])
+        print(f"{path:9s} path: this checkout {now:6.2f} us, {rev} {then:6.2f} us, ratio {now / then:.3f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--at", metavar="REV", help="also measure commit REV (a git worktree), alternating runs")
+    p.add_argument("--repeats", type=int, default=5, help="with --at: runs per checkout")
+    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one run, JSON out (for --at)
+    args = p.parse_args()
+    if args.measure:
+        print(json.dumps(measure(rounds=9)))
+    elif args.at:
+        _at(args.at, args.repeats)
+    else:
+        for path, us in measure().items():
+            print(f"nccl backend host overhead per all_reduce, {path} path: median {us:.2f} us (target <= 5 us)")
     sys.exit(0)
 
 

@@ -113,7 +113,7 @@ def is_mpi_available() -> bool:
 
 def is_nccl_available() -> bool:
     """True when the nccl backend can run here: a usable GPU with cupy's NCCL, or the CPU emulator."""
-    from commlib._world import emulated
+    from commlib._rendezvous import emulated
     from commlib.backends.nccl import nccl_unavailable_reason
 
     return emulated() or nccl_unavailable_reason() is None

@@ -18,14 +18,14 @@ def barrier(
     group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None, timeout: Any = None
 ) -> Work | None:
     """Wait until every rank of the group has called barrier (``timeout`` overrides the group's)."""
-    g, _ = resolve(group, "barrier")
+    g, b = resolve(group, "barrier")
     seconds = None if timeout is None else as_seconds(timeout, f"{g.label}barrier")  # checked before posting
     if g.detail:
         check_call(g, "barrier")
     fused = g.fused.get("barrier") if g.host and not async_op else None
     if fused is None and (async_op or seconds is None):
         return g.issue("barrier", "barrier", (), async_op)
-    g.run("barrier", None, 0, g.timeout if seconds is None else seconds, fused or g.backend.barrier().wait)
+    g.run("barrier", None, 0, g.timeout if seconds is None else seconds, fused or b.barrier().wait)
     return None
 
 

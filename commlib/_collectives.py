@@ -140,13 +140,14 @@ def reduce(
     group_dst: int | None = None,
 ) -> Work | None:
     """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
-    g, _ = resolve(group, "reduce")
-    a = g.buffer(tensor, g, "reduce", "tensor")
-    op = _op(op, a.dtype, g, "reduce")
-    root = root_rank(g, "reduce", dst, group_dst, "dst")
+    call = "reduce"
+    g, _ = resolve(group, call)
+    a = g.buffer(tensor, g, call, "tensor")
+    op = _op(op, a.dtype, g, call)
+    root = root_rank(g, call, dst, group_dst, "dst")
     if g.detail:
-        check_call(g, "reduce", a, op, root)
-    return g.issue("reduce", "reduce", (a, a, op, root), async_op, a.dtype, a.size)
+        check_call(g, call, a, op, root)
+    return g.issue(call, "reduce", (a, a, op, root), async_op, a.dtype, a.size)
 
 
 def pair(g: ProcessGroup, call: str, output: Any, out_arg: str, input: Any, in_arg: str) -> tuple[Any, Any]:

@@ -7,6 +7,7 @@ as in NCCL's own examples; ``COMMLIB_MPI_COMPOSED=1`` makes the mpi backend use 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -81,55 +82,52 @@ def all_to_all(
     return g.issue(call, "all_to_all", args, async_op, send.dtype, send.size, lambda: unpack(recv, outs))
 
 
-def _only_on_root(g: ProcessGroup, call: str, arg: str, value: Any, is_root: bool, role: str) -> None:
-    if is_root and value is None:
-        raise ValueError(f"{g.label}{call}: {arg} must be given on the {role} rank")
-    if not is_root and value:
-        raise ValueError(f"{g.label}{call}: {arg} must not be given on ranks other than the {role}")
+def _rooted(
+    call: str, group: ProcessGroup | None, tensor: Any, rank: Any, group_rank: Any, arg: str, items: Any, items_arg: str
+) -> tuple[ProcessGroup, Any, int, list[Any] | None]:
+    """gather's and scatter's arguments: the group, this rank's tensor, the root, and the root's list (None elsewhere).
+
+    The list holds the root's tensors (written by gather, read by scatter), one per rank like the tensor.
+    """
+    g, _ = resolve(group, call)
+    writes = call == "gather"  # gather writes the root's list and reads the tensor; scatter the other way round
+    a = g.buffer(tensor, g, call, "tensor", writable=not writes)
+    root = root_rank(g, call, rank, group_rank, arg, default=0)
+    role = "destination" if writes else "source"
+    if g.rank == root and items is None:
+        raise ValueError(f"{g.label}{call}: {items_arg} must be given on the {role} rank")
+    if g.rank != root and items:
+        raise ValueError(f"{g.label}{call}: {items_arg} must not be given on ranks other than the {role}")
+    parts = check_list(g, call, items_arg, items, a, writable=writes, count=a.size) if g.rank == root else None
+    if g.detail:
+        check_call(g, call, a, root=root)
+    return g, a, root, parts
 
 
 def gather(
     tensor: Any,
-    gather_list: list | None = None,
+    gather_list: list[Any] | None = None,
     dst: int | None = None,
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_dst: int | None = None,
 ) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
-    call = "gather"
-    g, _ = resolve(group, call)
-    inp = g.buffer(tensor, g, call, "tensor", writable=False)
-    root = root_rank(g, call, dst, group_dst, "dst", default=0)
-    _only_on_root(g, call, "gather_list", gather_list, g.rank == root, "destination")
-    outs, flat = None, None
-    if g.rank == root:
-        outs = check_list(g, call, "gather_list", gather_list, inp, writable=True, count=inp.size)
-        flat = g.xp.empty(g.size * inp.size, inp.dtype)
-    if g.detail:
-        check_call(g, call, inp, root=root)
+    g, inp, root, outs = _rooted("gather", group, tensor, dst, group_dst, "dst", gather_list, "gather_list")
+    flat = g.xp.empty(g.size * inp.size, inp.dtype) if outs is not None else None
     finish = None if outs is None else lambda: unpack(flat, outs)
-    return g.issue(call, "gather", (inp, flat, root), async_op, inp.dtype, inp.size, finish)
+    return g.issue("gather", "gather", (inp, flat, root), async_op, inp.dtype, inp.size, finish)
 
 
 def scatter(
     tensor: Any,
-    scatter_list: list | None = None,
+    scatter_list: Sequence[Any] | None = None,
     src: int | None = None,
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_src: int | None = None,
 ) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
-    call = "scatter"
-    g, _ = resolve(group, call)
-    out = g.buffer(tensor, g, call, "tensor")
-    root = root_rank(g, call, src, group_src, "src", default=0)
-    _only_on_root(g, call, "scatter_list", scatter_list, g.rank == root, "source")
-    send = None
-    if g.rank == root:
-        ins = check_list(g, call, "scatter_list", scatter_list, out, writable=False, count=out.size)
-        send = g.xp.concatenate([a.reshape(-1) for a in ins])
-    if g.detail:
-        check_call(g, call, out, root=root)
-    return g.issue(call, "scatter", (send, out, root), async_op, out.dtype, out.size)
+    g, out, root, ins = _rooted("scatter", group, tensor, src, group_src, "src", scatter_list, "scatter_list")
+    send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins is not None else None
+    return g.issue("scatter", "scatter", (send, out, root), async_op, out.dtype, out.size)

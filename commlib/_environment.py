@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "detect", "expand_hostlist"]
+__all__ = ["LaunchInfo", "detect", "expand_hostlist", "mpi_launched"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,66 +36,100 @@ class LaunchInfo:
             raise ValueError(f"launcher environment ({self.source}): rank {self.rank} not in [0, {self.world_size})")
 
 
-def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
+def _maybe(env: Mapping[str, str], *names: str) -> int | None:
+    """The first of ``names`` set in ``env``, as an int; None when none is."""
     for name in names:
         value = env.get(name)
-        if value not in (None, ""):
+        if value is not None and value != "":
             try:
                 return int(value)
             except ValueError:
                 raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
-    return default
+    return None
+
+
+def _opt(env: Mapping[str, str], *names: str, default: int) -> int:
+    found = _maybe(env, *names)
+    return default if found is None else found
+
+
+def _req(env: Mapping[str, str], name: str) -> int:
+    found = _maybe(env, name)
+    if found is None:
+        raise ValueError(f"environment variable {name} must be an integer, got {env.get(name)!r}")
+    return found
 
 
 def _nodes(world: int, local_world: int) -> int:
     return max(1, -(-world // max(local_world, 1)))
 
 
+# Each launcher's variables: rank, world size, then the names (first set wins) of the local world size,
+# local rank, node rank and number of nodes; what a launcher does not give is derived from the others.
+_VARIABLES = {
+    "torchrun": (
+        "RANK",
+        "WORLD_SIZE",
+        ("LOCAL_WORLD_SIZE",),
+        ("LOCAL_RANK",),
+        ("NODE_RANK", "GROUP_RANK"),
+        ("NNODES",),
+    ),
+    "mpich": ("PMI_RANK", "PMI_SIZE", ("MPI_LOCALNRANKS",), ("MPI_LOCALRANKID",), (), ()),
+    "openmpi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+        ("OMPI_COMM_WORLD_LOCAL_RANK",),
+        ("OMPI_COMM_WORLD_NODE_RANK",),
+        (),
+    ),
+}
+
+
+def _launched_by(source: str, env: Mapping[str, str], master: str | None, port: int | None) -> LaunchInfo:
+    rank_var, size_var, local_worlds, local_ranks, node_ranks, nodes = _VARIABLES[source]
+    rank, world = _req(env, rank_var), _req(env, size_var)
+    local_world = _opt(env, *local_worlds, default=world)
+    return LaunchInfo(
+        rank,
+        world,
+        _opt(env, *local_ranks, default=rank % local_world),
+        local_world,
+        _opt(env, *node_ranks, default=rank // local_world),
+        _opt(env, *nodes, default=_nodes(world, local_world)),
+        master,
+        port,
+        source,
+    )
+
+
 def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read this process's place in the job from ``env`` (default ``os.environ``)."""
     env = os.environ if env is None else env
     master = env.get("MASTER_ADDR")
-    port = _int(env, "MASTER_PORT")
+    port = _maybe(env, "MASTER_PORT")
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_world = _int(env, "LOCAL_WORLD_SIZE", default=world)
-        return LaunchInfo(
-            rank,
-            world,
-            _int(env, "LOCAL_RANK", default=rank % local_world),
-            local_world,
-            _int(env, "NODE_RANK", "GROUP_RANK", default=rank // local_world),
-            _int(env, "NNODES", default=_nodes(world, local_world)),
-            master,
-            port,
-            "torchrun",
-        )
+        return _launched_by("torchrun", env, master, port)
     if _srun_task(env):
         return _slurm(env, master, port)
     if "PMI_RANK" in env and "PMI_SIZE" in env:
-        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
-        local_world = _int(env, "MPI_LOCALNRANKS", default=world)
-        local = _int(env, "MPI_LOCALRANKID", default=rank % local_world)
-        return LaunchInfo(
-            rank, world, local, local_world, rank // local_world, _nodes(world, local_world), master, port, "mpich"
-        )
+        return _launched_by("mpich", env, master, port)
     if "OMPI_COMM_WORLD_RANK" in env:
-        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
-        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=world)
-        return LaunchInfo(
-            rank,
-            world,
-            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=rank % local_world),
-            local_world,
-            _int(env, "OMPI_COMM_WORLD_NODE_RANK", default=rank // local_world),
-            _nodes(world, local_world),
-            master,
-            port,
-            "openmpi",
-        )
+        return _launched_by("openmpi", env, master, port)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return _slurm(env, master, port)
     return LaunchInfo(0, 1, 0, 1, 0, 1, master, port, "single")
+
+
+#: Variables an MPI launcher (hydra, srun --mpi=pmi2/pmix, Open MPI) gives its processes.
+_MPI_LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+def mpi_launched(env: Mapping[str, str] | None = None) -> bool:
+    """Whether an MPI launcher started this process (then MPI's world holds the job's ranks)."""
+    env = os.environ if env is None else env
+    return any(name in env for name in _MPI_LAUNCHER_VARIABLES)
 
 
 def _srun_task(env: Mapping[str, str]) -> bool:
@@ -108,10 +142,10 @@ def _srun_task(env: Mapping[str, str]) -> bool:
 
 
 def _slurm(env: Mapping[str, str], master: str | None, port: int | None) -> LaunchInfo:
-    rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
-    nodes = _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
+    rank, world = _req(env, "SLURM_PROCID"), _req(env, "SLURM_NTASKS")
+    nodes = _opt(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
     per_node = env.get("SLURM_TASKS_PER_NODE", "")
-    local_world = _int(env, "SLURM_NTASKS_PER_NODE", default=None)
+    local_world = _maybe(env, "SLURM_NTASKS_PER_NODE")
     if local_world is None:
         m = re.match(r"(\d+)", per_node)
         local_world = int(m.group(1)) if m else _nodes(world, nodes)
@@ -119,9 +153,9 @@ def _slurm(env: Mapping[str, str], master: str | None, port: int | None) -> Laun
     return LaunchInfo(
         rank,
         world,
-        _int(env, "SLURM_LOCALID", default=0),
+        _opt(env, "SLURM_LOCALID", default=0),
         local_world,
-        _int(env, "SLURM_NODEID", default=0),
+        _opt(env, "SLURM_NODEID", default=0),
         nodes,
         master or (hosts[0] if hosts else None),
         port,

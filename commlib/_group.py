@@ -73,8 +73,9 @@ class ProcessGroup:
         self.buffer = backend.array if backend is not None else _host_intake  # validates and converts
         self.xp = backend.xp if backend is not None else np
         self.host = backend.host if backend is not None else True
+        # backend-specific (dtype, op) limits, read only for backends that have some
         overridden = backend is not None and type(backend).unsupported is not Backend.unsupported
-        self.limits = backend.unsupported if overridden else None  # backend-specific (dtype, op) limits
+        self.limits = backend.unsupported if backend is not None and overridden else None
         # COMMLIB_DEBUG=DETAIL: every collective first checks that all ranks make the same call (diagnostics.debug).
         self.detail = _debug.detail()
         self.fused = backend.fused() if backend is not None else {}  # blocking calls in one step, by kind
@@ -202,15 +203,22 @@ class ProcessGroup:
         from commlib._diagnostics import monitor
 
         arrived = monitor.arrival(self, call, seq, timeout)
-        dumped = _flight.dump(f"timeout in {call} #{seq} on group {self.name!r}")
         err = CommTimeoutError(
-            f"{self.label}{call} (call #{seq} on group {self.name!r}, ranks {_ranks(self.ranks)}) did not complete "
-            f"within {timeout:g} s: a peer rank did not make the matching call (it may have failed, be stuck, "
-            f"or be making a different call){arrived}; the group is now unusable"
-            + (f" (flight recorder: {dumped})" if dumped else "")
+            f"{self.what(call, seq)} did not complete within {timeout:g} s: a peer rank did not make the matching "
+            f"call (it may have failed, be stuck, or be making a different call){arrived}; the group is now unusable"
+            + self.dumped(f"timeout in {call} #{seq}")
         )
         self.mark_broken(err)
         raise err
+
+    def what(self, call: str, seq: int, more: str = "") -> str:
+        """``[rank r/n] call (call #seq on group 'name', ranks [...]more)``: how errors name a call."""
+        return f"{self.label}{call} (call #{seq} on group {self.name!r}, ranks {_ranks(self.ranks)}{more})"
+
+    def dumped(self, reason: str) -> str:
+        """Dump the flight recorder for ``reason`` (on this group); the note that says where, for a message."""
+        path = _flight.dump(f"{reason} on group {self.name!r}")
+        return f" (flight recorder: {path})" if path else ""
 
     def mismatch(self, call: str, seq: int, slot: int, err: TransportError) -> CommError:
         """The error for an engine failure inside a call: almost always ranks that disagree on the call."""
@@ -218,12 +226,10 @@ class ProcessGroup:
         nbytes = ""
         if entry is not None and entry[0] is self and entry[4] == seq and entry[2] is not None:
             nbytes = f", {entry[3] * np.dtype(entry[2]).itemsize} bytes on this rank"
-        dumped = _flight.dump(f"engine error in {call} #{seq} on group {self.name!r}")
         out = CollectiveMismatchError(
-            f"{self.label}{call} (call #{seq} on group {self.name!r}, ranks {_ranks(self.ranks)}{nbytes}) failed "
-            f"inside {self.backend_name}: the ranks most likely disagree on the size of this call, or made different "
-            f"numbers of calls before it ({err}); the group is now unusable"
-            + (f" (flight recorder: {dumped})" if dumped else "")
+            f"{self.what(call, seq, nbytes)} failed inside {self.backend_name}: the ranks most likely disagree on the "
+            f"size of this call, or made different numbers of calls before it ({err}); the group is now unusable"
+            + self.dumped(f"engine error in {call} #{seq}")
         )
         self.broken = out
         return out
@@ -248,10 +254,13 @@ class ProcessGroup:
         raise CommError(f"{self.label}{call}: group {self.name!r} has been destroyed")
 
     # -- ranks --------------------------------------------------------------------------------------
+    def _int_rank(self, value: object, where: str, arg: str) -> None:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{self.label}{where}: {arg} must be an int rank, got {value!r}")
+
     def group_rank(self, global_rank: int, where: str, arg: str) -> int:
         """The group rank of ``global_rank``; ``ValueError`` when it is not in the group."""
-        if isinstance(global_rank, (bool, np.bool_)) or not isinstance(global_rank, (int, np.integer)):
-            raise TypeError(f"{self.label}{where}: {arg} must be an int rank, got {global_rank!r}")
+        self._int_rank(global_rank, where, arg)
         try:
             return self.ranks.index(int(global_rank))
         except ValueError:
@@ -262,8 +271,7 @@ class ProcessGroup:
 
     def check_group_rank(self, group_rank: int, where: str, arg: str) -> int:
         """``group_rank`` itself when it is a valid rank of this group."""
-        if isinstance(group_rank, (bool, np.bool_)) or not isinstance(group_rank, (int, np.integer)):
-            raise TypeError(f"{self.label}{where}: {arg} must be an int rank, got {group_rank!r}")
+        self._int_rank(group_rank, where, arg)
         if not 0 <= group_rank < self.size:
             raise ValueError(f"{self.label}{where}: {arg}={group_rank} is out of range for a group of size {self.size}")
         return int(group_rank)

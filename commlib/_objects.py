@@ -8,6 +8,7 @@ network, never unpickles.)
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,11 +39,13 @@ def _padded(chunks: list[np.ndarray], width: int) -> np.ndarray:
     return out
 
 
-def _check_list(g: ProcessGroup, call: str, arg: str, value: Any, size: int | None) -> None:
+def _check_list(g: ProcessGroup, call: str, arg: str, value: Any, size: int | None) -> list:
+    """``value`` itself when it is a list (of ``size`` entries, if given)."""
     if not isinstance(value, list):
         raise TypeError(f"{g.label}{call}: {arg} must be a list, got {type(value).__name__}")
     if size is not None and len(value) != size:
         raise ValueError(f"{g.label}{call}: {arg} must have one entry per rank ({size}), got {len(value)}")
+    return value
 
 
 def _all_gather(g: ProcessGroup, call: str, mine: np.ndarray) -> np.ndarray:
@@ -73,7 +76,7 @@ def all_gather_object(object_list: list, obj: Any, group: ProcessGroup | None = 
 
 def gather_object(
     obj: Any,
-    object_gather_list: list | None = None,
+    object_gather_list: list[Any] | None = None,
     dst: int | None = None,
     group: ProcessGroup | None = None,
     group_dst: int | None = None,
@@ -82,8 +85,7 @@ def gather_object(
     call = "gather_object"
     g, _ = resolve(group, call)
     root = root_rank(g, call, dst, group_dst, "dst", default=0)
-    if g.rank == root:
-        _check_list(g, call, "object_gather_list", object_gather_list, g.size)
+    gather_list = _check_list(g, call, "object_gather_list", object_gather_list, g.size) if g.rank == root else []
     if g.detail:
         check_call(g, call, root=root)
     data = _dump(obj)
@@ -93,11 +95,11 @@ def gather_object(
     g.issue(call, "gather", (to_device(_padded([data], width), g.xp), out, root), False)
     if out is not None:
         out = to_host(out)
-        object_gather_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
+        gather_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
 
 
 def broadcast_object_list(
-    object_list: list,
+    object_list: list[Any],
     src: int | None = None,
     group: ProcessGroup | None = None,
     device: Any = None,
@@ -122,25 +124,24 @@ def broadcast_object_list(
 
 
 def scatter_object_list(
-    scatter_object_output_list: list,
-    scatter_object_input_list: list | None = None,
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: Sequence[Any] | None = None,
     src: int | None = None,
     group: ProcessGroup | None = None,
     group_src: int | None = None,
 ) -> None:
     """Send ``scatter_object_input_list[i]`` from rank ``src`` (default 0) into rank i's output list[0]."""
+    out_list = scatter_object_output_list
     call = "scatter_object_list"
     g, _ = resolve(group, call)
-    out_list = scatter_object_output_list
     if not isinstance(out_list, list) or not out_list:
         raise ValueError(f"{g.label}{call}: scatter_object_output_list must be a non-empty list, got {out_list!r}")
     root = root_rank(g, call, src, group_src, "src", default=0)
     mine = g.rank == root
-    if mine:
-        _check_list(g, call, "scatter_object_input_list", scatter_object_input_list, g.size)
+    ins = _check_list(g, call, "scatter_object_input_list", scatter_object_input_list, g.size) if mine else []
     if g.detail:
         check_call(g, call, root=root)
-    chunks = [_dump(o) for o in scatter_object_input_list] if mine else []
+    chunks = [_dump(o) for o in ins]
     sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(g.size, _I64)
     sizes = _broadcast(g, call, sizes, root)
     width = int(sizes.max())

@@ -7,9 +7,10 @@ from typing import Any
 
 from commlib._environment import LaunchInfo, detect
 from commlib._group import ProcessGroup
+from commlib._rendezvous import make_world
 from commlib._timeouts import as_seconds
 from commlib.backends.base import Backend
-from commlib.errors import BackendUnavailableError, CommTimeoutError
+from commlib.errors import CommTimeoutError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -39,6 +40,7 @@ class _State:
         self.implicit = False  # the world was created by the first API call, not by init_process_group
         self.groups: list[ProcessGroup] = []
         self.by_ranks: dict[tuple[int, ...], ProcessGroup] = {}  # subgroup()'s cache, cleared with the world
+        self.store: Any = None  # the rendezvous store the world keeps using (served by rank 0 when it made it)
         self.info: LaunchInfo | None = None
 
 
@@ -52,13 +54,9 @@ def launch_info() -> LaunchInfo:
     return _state.info
 
 
-def emulated() -> bool:
-    """True when ``COMMLIB_NCCL_EMULATOR`` selects the CPU emulator for the nccl backend."""
-    return os.environ.get("COMMLIB_NCCL_EMULATOR", "") not in ("", "0")
-
-
 def _choose_backend(backend: str | None) -> str:
     if backend is None or str(backend).lower() == "auto":
+        from commlib._rendezvous import emulated
         from commlib.backends.nccl import nccl_unavailable_reason
 
         return "nccl" if emulated() or nccl_unavailable_reason() is None else "mpi"
@@ -100,112 +98,21 @@ def init_process_group(
             f"init_process_group: init_method must start with env://, tcp:// or file://, got {init_method!r}"
         )
     seconds = _default_timeout(name) if timeout is None else as_seconds(timeout, "init_process_group")
-    world = _state.world or _make_world(name, seconds, world_size, rank, init_method or "env://")
-    _check_explicit(world, world_size, rank)  # before anything is recorded: a refused call changes nothing
+    world, owned = _state.world, None
+    if world is None:
+        world, owned = make_world(name, seconds, world_size, rank, init_method or "env://", store)
+    try:
+        _check_explicit(world, world_size, rank)  # before anything is recorded: a refused call changes nothing
+    except ValueError:
+        if owned is not None:
+            owned.close()
+        raise
+    if _state.world is None:
+        _state.store = owned
     world.timeout = seconds
     _state.world, _state.implicit = world, False
     if world not in _state.groups:
         _state.groups.insert(0, world)
-
-
-def _make_world(
-    name: str, timeout: float, world_size: int = -1, rank: int = -1, init_method: str = "env://"
-) -> ProcessGroup:
-    from commlib.backends import _mpi_world as mpi
-
-    if name == "nccl":
-        from commlib.backends import nccl
-
-        nccl.load(emulated())  # fail early, before any communication, when NCCL cannot run here
-    info = launch_info()
-    backend = mpi.world()
-    if backend.size < info.world_size and info.num_nodes > 1 and backend.size == info.local_world_size:
-        backend = _join_nodes(backend, info, timeout, init_method)
-    if backend.size == 1 and max(info.world_size, world_size) > 1:
-        expected = max(info.world_size, world_size)
-        raise BackendUnavailableError(
-            f"init_process_group: the environment ({info.source}) says this is rank {info.rank} of {expected}, "
-            "but MPI sees a single process: the mpi backend needs its ranks started by an MPI launcher, e.g. "
-            f"`mpiexec -n {expected} python script.py` or "
-            f"`python -m commlib.launch --nproc_per_node {expected} script.py`"
-        )
-    if name == "mpi":
-        backend.separate_kinds(timeout)  # mismatched kinds of call wait (and time out) instead of pairing up
-    _watch(backend, timeout)
-    if name == "nccl":
-        backend = _nccl_world(backend, info, timeout)
-    return ProcessGroup(
-        backend, list(range(backend.size)), backend.rank, "world", timeout, f"[rank {backend.rank}/{backend.size}] "
-    )
-
-
-def _watch(backend: Any, timeout: float) -> None:
-    """Start the job monitor and the flight recorder's SIGUSR1 dump; report uncaught exceptions before MPI_Abort."""
-    from commlib._diagnostics import flight as _flight
-    from commlib._diagnostics import monitor as _monitor
-    from commlib.backends import _mpi_world as mpi
-
-    _monitor.setup(backend, timeout)
-    _flight.install_signal()
-    if _monitor.report_uncaught not in mpi.before_abort:
-        mpi.before_abort.append(_monitor.report_uncaught)
-
-
-def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float) -> Any:
-    """The store named by ``init_method``: ``tcp://host:port``, ``file:///path``, or ``env://`` (MASTER_ADDR/PORT)."""
-    from commlib.store import FileStore, TCPStore
-
-    token = os.environ.get("COMMLIB_STORE_TOKEN")
-    if init_method.startswith("file://"):
-        return FileStore(init_method[len("file://") :], info.world_size)
-    if init_method.startswith("tcp://"):
-        host, _, port = init_method[len("tcp://") :].rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"init_process_group: init_method must look like tcp://host:port, got {init_method!r}")
-        return TCPStore(host.strip("[]"), int(port), timeout=timeout, token=token)
-    if not info.master_addr or not info.master_port:
-        raise BackendUnavailableError(
-            "init_process_group: joining nodes needs MASTER_ADDR and MASTER_PORT (env://), or init_method="
-            "'tcp://host:port' or 'file:///shared/path'"
-        )
-    return TCPStore(info.master_addr, info.master_port, timeout=timeout, token=token)
-
-
-def _join_nodes(local: Any, info: LaunchInfo, timeout: float, init_method: str) -> Any:
-    """One MPI communicator out of the per-node MPI worlds (``commlib.launch --nnodes N``)."""
-    from commlib.backends import _mpi_world as mpi
-
-    store = rendezvous_store(init_method, info, timeout)
-    try:
-        return mpi.join_nodes(local, info.node_rank, info.num_nodes, info.rank, store, timeout)
-    finally:
-        store.close()
-
-
-def _nccl_world(host_world: Any, info: LaunchInfo, timeout: float) -> Any:
-    """The NCCL communicator of the job; its unique id travels from rank 0 over the MPI world."""
-    import sys
-
-    from commlib.backends import nccl
-
-    module, cuda, xp, host = nccl.load(emulated())
-    if not host:  # one process per GPU, unless the caller already chose one
-        cuda.Device(info.local_rank % cuda.runtime.getDeviceCount()).use()
-    everyone = list(range(host_world.size))
-    uid = nccl.unique_id(module) if host_world.rank == 0 else b""
-    try:
-        uid = host_world.rendezvous(everyone, timeout, uid, what="the NCCL world's unique id")
-    except CommTimeoutError as e:
-        raise CommTimeoutError(f"init_process_group: {e}") from None
-    comm = module.NcclCommunicator(host_world.size, uid, host_world.rank)
-    if host and host_world.rank == 0:
-        print(
-            "commlib: backend 'nccl' is running on the NCCL emulator (CPU, host memory; "
-            "COMMLIB_NCCL_EMULATOR=1), not on GPUs",
-            file=sys.stderr,
-            flush=True,
-        )
-    return nccl.NcclBackend(module, cuda, xp, comm, host, host_world, everyone)
 
 
 def _check_explicit(world: ProcessGroup, world_size: int, rank: int) -> None:
@@ -245,7 +152,7 @@ def resolve(group: ProcessGroup | None, call: str) -> tuple[ProcessGroup, Backen
 
 def _implicit_world() -> ProcessGroup:
     name = _choose_backend(None)
-    _state.world = _make_world(name, _default_timeout(name))
+    _state.world, _state.store = make_world(name, _default_timeout(name), -1, -1, "env://", None)
     _state.implicit, _state.groups = True, [_state.world]
     return _state.world
 
@@ -266,7 +173,10 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             _state.groups.remove(g)
     _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}
     if group is None or group is _state.world:
+        store, _state.store = _state.store, None
         _state.world, _state.implicit, _state.groups, _state.by_ranks = None, False, [], {}
+        if store is not None:
+            store.close()
 
 
 def subgroup(ranks: Any) -> ProcessGroup:
@@ -314,6 +224,7 @@ def new_group(
             f"{world.label}new_group: with use_local_synchronization=True only the members of ranks={members} "
             f"call new_group, and this rank ({world.rank}) is not one"
         )
+    sub: Backend | None
     try:
         if use_local_synchronization:
             sub = engine.create_group(members, world.timeout)

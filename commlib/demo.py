@@ -7,6 +7,8 @@ collective with every rank's result and whether it matches numpy's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 import commlib as dist
@@ -45,7 +47,7 @@ def _steps(n: int, me: int) -> list[tuple[str, object, object]]:
     out.append(
         (
             "gather(dst=0)",
-            np.concatenate(gathered) if me == 0 else None,
+            np.concatenate(gathered) if gathered is not None else None,
             np.arange(n, dtype=np.int64) ** 2 if me == 0 else None,
         )
     )
@@ -64,7 +66,7 @@ def _steps(n: int, me: int) -> list[tuple[str, object, object]]:
     objs: list[object] = [None] * n
     dist.all_gather_object(objs, {"rank": me})
     out.append(("all_gather_object", objs, [{"rank": r} for r in range(n)]))
-    works = [dist.all_reduce(np.ones(2), async_op=True) for _ in range(3)]
+    works = [w for w in (dist.all_reduce(np.ones(2), async_op=True) for _ in range(3)) if w is not None]
     works[-1].wait()
     out.append(("3 x all_reduce(async_op=True)", [w.is_completed() for w in works], [True, True, True]))
     dist.barrier()
@@ -72,7 +74,7 @@ def _steps(n: int, me: int) -> list[tuple[str, object, object]]:
     return out
 
 
-def _equal(a: object, b: object) -> bool:
+def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return bool(np.array_equal(a, b))
     return a == b
@@ -86,7 +88,7 @@ def main() -> int:
     """Run the demo on this rank; rank 0 prints the table. Returns the process exit code."""
     n, me = dist.get_world_size(), dist.get_rank()
     steps = _steps(n, me)
-    rows: list[object] = [None] * n
+    rows: list[Any] = [None] * n
     dist.all_gather_object(rows, [(call, _show(got), _equal(got, want)) for call, got, want in steps])
     bad = sum(not rows[r][i][2] for r in range(n) for i in range(len(steps)))
     if me == 0:

@@ -1,16 +1,22 @@
 """Distributed evaluation written against torch.distributed's functional API, run by commlib.
 
 The only change from the torch.distributed version is the import line below.
-Run it with any of:
+Run it with any launcher:
 
+    torchrun --standalone --nproc_per_node 3 examples/torch_distributed_eval.py
+    python examples/torch_distributed_eval.py --spawn 3 tcp://127.0.0.1:29512   # torch.multiprocessing.spawn
+    python examples/torch_distributed_eval.py --spawn 3 file:///tmp/eval-rendezvous
     python -m commlib.launch --nproc_per_node 3 examples/torch_distributed_eval.py
     mpiexec -n 3 python examples/torch_distributed_eval.py
-    (torch.distributed: torchrun --nproc_per_node 3 with ``import torch.distributed as dist``)
+
+(``COMMLIB_NCCL_EMULATOR=1`` runs the same on the nccl backend's CPU emulator.)
 
 Each rank scores its shard of a synthetic data set with a tiny linear model whose
 weights rank 0 broadcasts; the metrics are combined with all_reduce, the
 predictions with all_gather, and per-rank summaries with gather_object.
 """
+
+import sys
 
 import torch
 
@@ -19,8 +25,10 @@ import commlib as dist  # was: import torch.distributed as dist
 SAMPLES, FEATURES = 12, 4
 
 
-def main() -> None:
-    dist.init_process_group()  # torch: gloo for CPU tensors; commlib: mpi, or nccl where chosen
+def main(rank: int = -1, world_size: int = -1, init_method: str | None = None) -> None:
+    # torch: gloo for CPU tensors; commlib: mpi, or nccl where chosen. A launcher's variables say who is
+    # who; under torch.multiprocessing.spawn the arguments do.
+    dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(rank)  # every rank starts with different weights ...
@@ -64,4 +72,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--spawn"]:  # --spawn N [init_method]: one process per rank, as the PyTorch guides do
+        import torch.multiprocessing as mp
+
+        n, init = int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "tcp://127.0.0.1:29512"
+        mp.spawn(main, args=(n, init), nprocs=n)
+    else:
+        main()

@@ -229,7 +229,7 @@ def test_destroyed_group_is_refused() -> None:
 
 
 def test_launcher_environment_without_mpi_launcher_is_explained() -> None:
-    """RANK/WORLD_SIZE say 2 ranks but the process was not started by an MPI launcher: say how to start it."""
+    """RANK/WORLD_SIZE say 2 ranks, no MPI launcher started the process and no store is named: say what to do."""
     import subprocess
     import sys
 
@@ -237,8 +237,8 @@ def test_launcher_environment_without_mpi_launcher_is_explained() -> None:
     env = {"RANK": "1", "WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
-    assert "says this is rank 1 of 2, but MPI sees a single process" in proc.stderr, proc.stderr
-    assert "mpiexec -n 2" in proc.stderr
+    assert "rank 1 of 2 (RANK and WORLD_SIZE) was not started by an MPI launcher" in proc.stderr, proc.stderr
+    assert "set MASTER_ADDR and MASTER_PORT" in proc.stderr and "mpiexec -n 2" in proc.stderr
 
 
 def not_a_member_job() -> str:

@@ -21,6 +21,7 @@ import secrets
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,11 +55,14 @@ class _State:
 _state = _State()
 
 
-def setup(backend: Any, timeout: float) -> None:
-    """At world creation, on every rank: find the job's store, or serve one on world rank 0."""
+def setup(backend: Any, timeout: float, store: Any = None) -> None:
+    """At world creation, on every rank: find the job's store (the launcher's, the rendezvous ``store`` the job
+    already shares, or one world rank 0 serves)."""
     from commlib.backends import base as _base
 
     _state.rank, _state.size = backend.rank, backend.size
+    _state.published.clear()
+    _state.failure_raised = False
     job = os.environ.get("COMMLIB_JOB_ID", "")
     if os.environ.get("COMMLIB_MONITOR", "1") == "0" or backend.size == 1:
         _flight.set_job(backend.rank, backend.size, job or str(os.getpid()))
@@ -67,6 +71,10 @@ def setup(backend: Any, timeout: float) -> None:
     if given:
         host, _, port = given.rpartition(":")
         _state.address = (host, int(port), os.environ.get("COMMLIB_MONITOR_TOKEN", ""))
+    elif store is not None:
+        from commlib.store import PrefixStore
+
+        _state.client, _state.dead = PrefixStore("monitor", store), None  # the prefix store never closes the store
     else:
         job = _serve_and_share(backend, timeout) or job
     _flight.set_job(backend.rank, backend.size, job or "unknown")
@@ -218,6 +226,37 @@ def _progress(g: Any, p: int) -> tuple[int, str] | None:
         return None
     seq, _, call = raw.decode(errors="replace").partition(" ")
     return (int(seq), call) if seq.isdigit() else None
+
+
+def install_excepthook(abort: Callable[[], None] | None) -> None:
+    """An uncaught exception on one rank ends the whole job at once instead of leaving the others waiting.
+
+    The traceback is printed, the flight recorder dumped and the failure published through the
+    job's store (:func:`report_uncaught`, so the other ranks fail fast naming this rank), then
+    ``abort()`` ends the job (MPI_Abort for an MPI world; None: the process just exits, which
+    its launcher notices). ``COMMLIB_ABORT_ON_EXCEPTION=0`` turns it off.
+    """
+    if os.environ.get("COMMLIB_ABORT_ON_EXCEPTION", "1") == "0":
+        return
+    previous = sys.excepthook
+    if getattr(previous, "_commlib", False):
+        previous = previous._previous  # type: ignore[attr-defined]
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        if issubclass(kind, KeyboardInterrupt):
+            return
+        sys.stdout.flush()
+        with contextlib.suppress(BaseException):  # the job must end whatever happens
+            report_uncaught(kind, value)
+        if abort is not None:
+            sys.stderr.write(f"commlib: uncaught {kind.__name__} on rank {_state.rank}: aborting the job\n")
+            sys.stderr.flush()
+            abort()
+
+    hook._commlib = True  # type: ignore[attr-defined]
+    hook._previous = previous  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def report_uncaught(kind: type[BaseException], value: BaseException) -> None:

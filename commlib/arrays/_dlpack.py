@@ -64,7 +64,10 @@ _DELETER_T = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
 _DELETERS: dict[int, Any] = {}  # deleter address -> callable; deleters are few static fns
 
 
-class _Owner(ctypes.c_ubyte * (1 << 62)):
+_Huge: Any = ctypes.c_ubyte * (1 << 62)  # a type made at run time: typed Any for the checker
+
+
+class _Owner(_Huge):
     """Buffer placed over producer memory that runs the DLPack deleter once when freed."""
 
     # A ctypes array is a buffer numpy accepts as `buffer=` and keeps as `.base`, so the

@@ -104,17 +104,17 @@ def same_kind(a: Any, ref: Any, ctx: Any, call: str, arg: str, ref_arg: str) -> 
         )
 
 
-def address(a: object) -> int:
+def address(a: Any) -> int:
     """The address of ``a``'s first element (host or device)."""
     if type(a) is np.ndarray:
         try:  # ~0.2 us; __array_interface__ builds a dict and costs ~0.8 us
-            return _addressof(_c_char.from_buffer(a))
+            return _addressof(_c_char.from_buffer(a))  # type: ignore[arg-type]  # ndarray has the buffer protocol
         except (TypeError, ValueError):  # read-only or empty buffers
             return a.__array_interface__["data"][0]
-    data = getattr(a, "data", None)  # cupy: a MemoryPointer
-    if hasattr(data, "ptr"):
-        return data.ptr
-    return a.__cuda_array_interface__["data"][0]
+    ptr = getattr(getattr(a, "data", None), "ptr", None)  # cupy: a MemoryPointer
+    if ptr is not None:
+        return int(ptr)
+    return int(a.__cuda_array_interface__["data"][0])
 
 
 def _on_device(obj: object) -> bool:

@@ -6,6 +6,9 @@ rounded once (moved as 16-bit words otherwise). AVG is SUM followed by one divis
 
 from __future__ import annotations
 
+import atexit
+import weakref
+
 import numpy as np
 from mpi4py import MPI
 
@@ -14,7 +17,7 @@ from commlib.arrays import LOW_PRECISION, bfloat16
 from commlib.backends.base import poll
 from commlib.errors import TransportError
 
-__all__ = ["MOVE_TYPE", "REDUCTIONS", "Persistent", "PersistentCache", "Recv", "Req", "Reqs", "average", "settle"]
+__all__ = ["MOVE_TYPE", "REDUCTIONS", "Persistent", "PersistentCache", "Recv", "Req", "average", "settle"]
 
 MOVE_TYPE = {
     np.dtype(np.int8): MPI.INT8_T,
@@ -126,27 +129,6 @@ class Req:
 _abandoned: list = []  # requests of handles whose wait gave up (kept referenced for good)
 
 
-class Reqs:
-    """A handle over several MPI requests (p2p batches)."""
-
-    __slots__ = ("keep", "reqs")
-
-    def __init__(self, reqs: list[MPI.Request], keep: object = None) -> None:
-        self.reqs, self.keep = reqs, keep
-
-    def test(self) -> bool:
-        try:
-            return MPI.Request.Testall(self.reqs)
-        except MPI.Exception as e:
-            raise mpi_error(e) from None
-
-    def wait(self, timeout: float) -> bool:
-        return self.test() or poll(self.test, timeout)
-
-    def defer(self) -> bool:
-        return False
-
-
 class Recv(Req):
     """A receive handle that remembers who sent (for ``recv(src=None)``)."""
 
@@ -220,6 +202,7 @@ class PersistentCache:
     def __init__(self, limit: int = 64) -> None:
         self.limit = limit
         self.ops: dict[tuple, Persistent] = {}
+        _caches.add(self)
 
     def add(self, key: tuple, op: Persistent) -> Persistent:
         """Keep ``op`` under ``key``, freeing the oldest operation when the cache is full."""
@@ -236,6 +219,17 @@ class PersistentCache:
             _abandoned.append(op)
 
     def close(self) -> None:
+        """Free every operation (none may be running: the group layer waits for its calls)."""
         for op in self.ops.values():
             op.req.Free()
         self.ops.clear()
+
+
+_caches: weakref.WeakSet[PersistentCache] = weakref.WeakSet()
+
+
+@atexit.register  # registered after mpi4py's own exit handler, so it runs first: before MPI_Finalize
+def _free_at_exit() -> None:
+    if not MPI.Is_finalized():
+        for cache in list(_caches):
+            cache.close()

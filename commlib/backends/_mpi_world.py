@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from mpi4py import MPI
 
 from commlib.backends.mpi import MpiBackend
 
-__all__ = ["before_abort", "join_nodes", "world"]
-
-#: Called as ``hook(kind, value)`` by the uncaught-exception hook before MPI_Abort (commlib's job
-#: monitor adds one that tells the other ranks who failed); errors in it are ignored.
-before_abort: list[Callable[[type[BaseException], BaseException], None]] = []
+__all__ = ["abort", "join_nodes", "join_singletons", "world"]
 
 
 def join_nodes(local: MpiBackend, node: int, nnodes: int, rank: int, store: Any, timeout: float) -> MpiBackend:
@@ -29,7 +21,7 @@ def join_nodes(local: MpiBackend, node: int, nnodes: int, rank: int, store: Any,
     the store and waits for all the others, so no accept waits for a node that never
     comes. Ranks are finally ordered by ``rank`` (their global RANK).
     """
-    comm = local.comm
+    comm: MPI.Intracomm = local.comm
     store.set(f"commlib/join/{node}/{comm.Get_rank()}", b"1")
     store.wait([f"commlib/join/{k}/0" for k in range(nnodes)], timeout)
     if node == 0:
@@ -46,39 +38,31 @@ def join_nodes(local: MpiBackend, node: int, nnodes: int, rank: int, store: Any,
         joined = merged.bcast(joined + 1, root=0)
     if node == 0 and comm.Get_rank() == 0:
         MPI.Close_port(port)
-    return MpiBackend(merged.Split(0, rank))
+    return MpiBackend(cast(MPI.Intracomm, merged.Split(0, rank)))  # Split of an intracommunicator is one
 
 
 def world() -> MpiBackend:
     """The backend over ``MPI.COMM_WORLD`` (MPI is initialised by importing mpi4py)."""
-    backend = MpiBackend(MPI.COMM_WORLD)
-    if backend.size > 1 and os.environ.get("COMMLIB_ABORT_ON_EXCEPTION", "1") != "0":
-        _abort_on_uncaught_exception()
-    return backend
+    return MpiBackend(MPI.COMM_WORLD)
 
 
-def _abort_on_uncaught_exception() -> None:
-    """An uncaught exception on one rank ends the whole job at once instead of leaving the others waiting.
+def abort(backend: MpiBackend) -> None:
+    """End the whole job: MPI_Abort on ``backend``'s communicator (every process connected to it)."""
+    backend.comm.Abort(1)
 
-    Without this the failed rank sits in MPI_Finalize (which waits for every rank)
-    while the others wait in a collective until their timeout. ``MPI_Abort`` makes
-    the launcher stop every rank; the traceback is printed first.
+
+def join_singletons(store: Any, rank: int, size: int, timeout: float) -> MpiBackend:
+    """Join ``size`` processes that no MPI launcher started (each its own MPI world) into one communicator.
+
+    Through ``store``, as :func:`join_nodes` joins nodes: every process is a node of one rank.
+    MPICH 5.0.x cannot connect such processes (pmodels/mpich#7805); commlib pins the 4.3.2 wheel,
+    and a newer MPICH is refused here with what to do instead of failing inside MPI.
     """
-    previous = sys.excepthook
-    if getattr(previous, "_commlib", False):
-        return
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous(kind, value, tb)
-        if issubclass(kind, KeyboardInterrupt):
-            return
-        sys.stdout.flush()
-        for before in before_abort:
-            with contextlib.suppress(BaseException):  # the job must be aborted whatever happens
-                before(kind, value)
-        sys.stderr.write(f"commlib: uncaught {kind.__name__} on rank {MPI.COMM_WORLD.Get_rank()}: aborting the job\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-
-    hook._commlib = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
+    version = MPI.Get_library_version()
+    if version.startswith("MPICH Version:") and version.split()[2].startswith("5."):
+        raise RuntimeError(
+            f"MPICH {version.split()[2]} cannot connect processes that no MPI launcher started "
+            "(MPI_Comm_accept/connect between singletons fails, pmodels/mpich#7805): "
+            "`pip install mpich==4.3.2`, or start the job with mpiexec or `python -m commlib.launch`"
+        )
+    return join_nodes(MpiBackend(MPI.COMM_SELF), rank, size, rank, store, timeout)

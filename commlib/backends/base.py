@@ -38,7 +38,7 @@ from commlib._ops import ReduceOp
 from commlib.arrays import host_array, to_host
 from commlib.errors import CommError, CommTimeoutError
 
-__all__ = ["DONE", "AllOf", "Backend", "Chained", "Done", "Handle", "MeetingTimeout", "poll"]
+__all__ = ["DONE", "AllOf", "Backend", "Chained", "Done", "Handle", "Meeting", "MeetingTimeout", "poll"]
 
 _SPIN = 32  # polls between clock reads: a clock read costs about as much as a poll
 _YIELD_AFTER = 0.0005  # seconds of pure spinning before yielding the core (ranks may outnumber cores)
@@ -52,6 +52,13 @@ watchdog: Callable[[float], None] | None = None
 #: Tags above :attr:`Backend.max_tag` that carry commlib's own point-to-point traffic.
 TAG_MEET, TAG_COMPOSED = 1, 2
 RESERVED_TAGS = 2
+
+
+class Meeting(Protocol):
+    """What carries a meeting of ranks (:meth:`Backend.rendezvous`): a backend, or the job's store."""
+
+    def rendezvous(self, ranks: list[int], timeout: float, payload: bytes = b"", what: str = "group setup") -> bytes:
+        """Meet the other ``ranks``; return ``ranks[0]``'s ``payload``; :class:`MeetingTimeout` naming who is late."""
 
 
 class MeetingTimeout(CommTimeoutError):
@@ -308,6 +315,7 @@ class Backend(abc.ABC):
         tag, k = self.max_tag + TAG_COMPOSED, sendbuf.size
         self.group_start()
         if self.rank == root:
+            assert recvbuf is not None  # the group layer gives the root its receive buffer
             rflat = recvbuf.reshape(-1)
             rflat[root * k : (root + 1) * k] = sendbuf.reshape(-1)
             handles = [self.recv(rflat[p * k : (p + 1) * k], p, tag) for p in range(self.size) if p != root]
@@ -321,6 +329,7 @@ class Backend(abc.ABC):
         tag, k = self.max_tag + TAG_COMPOSED, recvbuf.size
         self.group_start()
         if self.rank == root:
+            assert sendbuf is not None  # the group layer gives the root its send buffer
             sflat = sendbuf.reshape(-1)
             recvbuf.reshape(-1)[...] = sflat[root * k : (root + 1) * k]
             handles = [self.send(sflat[p * k : (p + 1) * k], p, tag) for p in range(self.size) if p != root]

@@ -14,7 +14,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -51,7 +51,7 @@ class MpiBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -62,7 +62,7 @@ class MpiBackend(Backend):
         self.abandoned: list = []  # requests a wait gave up on: MPI may still use their buffers
         self.persistent = PersistentCache()
         # Every kind of collective on the base communicator until separate_kinds() gives each its own.
-        self.dups: list[MPI.Comm] = []
+        self.dups: list[MPI.Intracomm] = []
         self.reduce_comm = self.reduce_scatter_comm = self.broadcast_comm = self.all_gather_comm = comm
         self.gather_comm = self.scatter_comm = self.all_to_all_comm = self.barrier_comm = comm
         self.now: dict[str, Callable[..., bool]] = {
@@ -113,8 +113,8 @@ class MpiBackend(Backend):
         t, mop = REDUCTIONS[dtype, op]
         if dtype in LOW_PRECISION:
             scratch = sendbuf.astype(F32)
-            req = self.comm.Iallreduce(_IN_PLACE, [scratch, t], mop)
-            return Chained(Req(req, scratch), functools.partial(self._round, scratch, recvbuf, op))
+            low = Req(self.comm.Iallreduce(_IN_PLACE, [scratch, t], mop), scratch)
+            return Chained(low, functools.partial(self._round, scratch, recvbuf, op))
         sb = _IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
         req = Req(self.comm.Iallreduce(sb, [recvbuf, t], mop), (sendbuf, recvbuf))
         return Chained(req, functools.partial(average, recvbuf, self.size)) if op is _AVG else req
@@ -299,27 +299,26 @@ class MpiBackend(Backend):
         if sendbuf.nbytes * self.size > PERSISTENT_MAX:
             return self.gather(sendbuf, recvbuf, root).wait(timeout)
         key = ("gather", sendbuf.shape, sendbuf.dtype, root)
-        p = self.persistent.ops.get(key)
-        if p is None:
-            mine = self.rank == root
-            send, sspec = self._scratch(sendbuf.shape, sendbuf.dtype)
-            recv, rspec = self._scratch((self.size * sendbuf.size,), sendbuf.dtype)
-            req = self.gather_comm.Gather_init(sspec, rspec if mine else None, root)
-            p = self.persistent.add(key, Persistent(req, send, recv if mine else None))
+        p = self.persistent.ops.get(key) or self._new_rooted(key, sendbuf, root)
         return self._run(key, p, sendbuf, recvbuf, timeout)
 
     def _scatter_now(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, timeout: float) -> bool:
         if recvbuf.nbytes * self.size > PERSISTENT_MAX:
             return self.scatter(sendbuf, recvbuf, root).wait(timeout)
         key = ("scatter", recvbuf.shape, recvbuf.dtype, root)
-        p = self.persistent.ops.get(key)
-        if p is None:
-            mine = self.rank == root
-            send, sspec = self._scratch((self.size * recvbuf.size,), recvbuf.dtype)
-            recv, rspec = self._scratch(recvbuf.shape, recvbuf.dtype)
-            req = self.scatter_comm.Scatter_init(sspec if mine else None, rspec, root)
-            p = self.persistent.add(key, Persistent(req, send if mine else None, recv))
+        p = self.persistent.ops.get(key) or self._new_rooted(key, recvbuf, root)
         return self._run(key, p, sendbuf, recvbuf, timeout)
+
+    def _new_rooted(self, key: tuple, chunk: np.ndarray, root: int) -> Persistent:
+        """Persistent gather (every rank's ``chunk`` to the root's whole) or scatter (the root's whole to chunks)."""
+        mine, gather = self.rank == root, key[0] == "gather"
+        part, part_spec = self._scratch(chunk.shape, chunk.dtype)
+        whole, whole_spec = self._scratch((self.size * chunk.size,), chunk.dtype)
+        if gather:
+            req = self.gather_comm.Gather_init(part_spec, whole_spec if mine else None, root)
+            return self.persistent.add(key, Persistent(req, part, whole if mine else None))
+        req = self.scatter_comm.Scatter_init(whole_spec if mine else None, part_spec, root)
+        return self.persistent.add(key, Persistent(req, whole if mine else None, part))
 
     def _barrier_now(self, timeout: float) -> bool:
         if self.size == 1:
@@ -344,7 +343,7 @@ class MpiBackend(Backend):
         sub = self.comm.Split(0 if member else MPI.UNDEFINED, ranks.index(self.rank) if member else 0)
         if not member:
             return None
-        backend = MpiBackend(sub)
+        backend = MpiBackend(cast(MPI.Intracomm, sub))  # Split of an intracommunicator is one
         backend.separate_kinds(timeout)
         return backend
 

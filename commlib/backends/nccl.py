@@ -19,7 +19,7 @@ import numpy as np
 from commlib._ops import ReduceOp
 from commlib.arrays import address, bfloat16, device_array, host_array
 from commlib.backends._cuda import load, nccl_unavailable_reason
-from commlib.backends.base import RESERVED_TAGS, Backend, Handle, MeetingTimeout, poll
+from commlib.backends.base import RESERVED_TAGS, Backend, Handle, Meeting, MeetingTimeout, poll
 from commlib.errors import CommError
 
 __all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unique_id"]
@@ -115,8 +115,9 @@ class NcclBackend(Backend):
     """Moves device (or, emulated, host) buffers between the ranks of one NCCL communicator.
 
     all_to_all, gather and scatter are the base class's grouped send/recv, as NCCL advises.
-    ``bootstrap`` is the backend whose :meth:`~Backend.rendezvous` carries unique ids to new
-    groups' members, and ``bootstrap_ranks[r]`` is its rank for this communicator's rank r.
+    ``bootstrap`` carries unique ids to new groups' members (:meth:`~Backend.rendezvous`: the MPI
+    world the job was started in, or the job's store), and ``bootstrap_ranks[r]`` is its rank for
+    this communicator's rank r.
     """
 
     name = "nccl"
@@ -130,7 +131,7 @@ class NcclBackend(Backend):
         xp: Any,
         comm: Any,
         host: bool,
-        bootstrap: Backend | None = None,
+        bootstrap: Meeting | None = None,
         bootstrap_ranks: list[int] | None = None,
     ) -> None:
         self.nccl, self.cuda, self.xp, self.comm, self.host = nccl, cuda, xp, comm, host

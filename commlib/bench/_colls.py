@@ -57,13 +57,13 @@ def _chunks(a: Any, n: int) -> list[Any]:
     return [a[i * k : (i + 1) * k] for i in range(n)]
 
 
-def _copy_then(first: Callable[[], None] | None, then: Callable[[], Any]) -> Callable[[], None]:
+def _copy_then(first: Callable[[], object] | None, then: Callable[[], object]) -> Callable[[], object]:
     if first is None:
         return then
     return lambda: (first(), then())
 
 
-def make_call(case: Case, send: Any, recv: Any, shift: int, xp: Any = np) -> Callable[[], None]:
+def make_call(case: Case, send: Any, recv: Any, shift: int, xp: Any = np) -> Callable[[], object]:
     """A zero-argument function that runs the collective once on the buffers at byte ``shift``."""
     inp, out = _views(case, send, recv, shift)
     name, n, r, root, op = case.name, case.nranks, case.rank, case.root, case.op
@@ -89,7 +89,7 @@ def make_call(case: Case, send: Any, recv: Any, shift: int, xp: Any = np) -> Cal
     return _sendrecv(inp, out, r, n, xp)
 
 
-def _sendrecv(inp: Any, out: Any, r: int, n: int, xp: Any) -> Callable[[], None]:
+def _sendrecv(inp: Any, out: Any, r: int, n: int, xp: Any) -> Callable[[], object]:
     """The ring step of nccl-tests' sendrecv: send to rank+1 and receive from rank-1, together."""
     if n == 1:  # commlib refuses to send to oneself; NCCL's self-send is a copy
         return lambda: xp.copyto(out, inp)
@@ -128,18 +128,24 @@ def output_region(case: Case, recv: Any) -> Any:
     return _views(case, recv, recv, 0)[1]  # the output never depends on the send buffer
 
 
+def _reducing(case: Case) -> ReduceOp:
+    if case.op is None:
+        raise ValueError(f"commlib.bench: {case.name} reduces, but its case has no op")
+    return case.op
+
+
 def expected(case: Case, seed: int) -> np.ndarray:
     """What ``output_region`` must hold after the call, computed locally from every rank's known inputs."""
-    name, lay, n, r, root, dt, op = case.name, case.lay, case.nranks, case.rank, case.root, case.dtype, case.op
+    name, lay, n, r, root, dt = case.name, case.lay, case.nranks, case.rank, case.root, case.dtype
     k = lay.param_count
     if name == "all_reduce" or (name == "reduce" and r == root):
-        return _data.reduced(op, dt, seed, n, 0, lay.recv_count)
+        return _data.reduced(_reducing(case), dt, seed, n, 0, lay.recv_count)
     if name == "reduce":  # a non-root's output buffer holds its own input (copied there, or in place)
         return _input(case, seed)
     if name == "broadcast":
         return _data.inputs(None, dt, seed, root, n, 0, lay.recv_count)
     if name == "reduce_scatter":
-        return _data.reduced(op, dt, seed, n, r * k, k)
+        return _data.reduced(_reducing(case), dt, seed, n, r * k, k)
     if name == "all_gather" or (name == "gather" and r == root):
         return np.concatenate([_data.inputs(None, dt, seed, q, n, q * k, k) for q in range(n)])
     if name == "gather":  # nccl-tests: a non-root's buffer keeps what it had (zeros, and in place its input)

@@ -99,12 +99,10 @@ def inputs(
 def reduced(op: ReduceOp, dtype: np.dtype, seed: int, nranks: int, start: int, count: int) -> np.ndarray:
     """The exact result of reducing every rank's elements ``start .. start+count-1`` with ``op``."""
     exact = np.float64 if dtype.kind not in "iu" else np.int64
-    acc = None
-    for rank in range(nranks):
+    acc = _values(op, dtype, seed, 0, nranks, start, count).astype(exact)
+    for rank in range(1, nranks):
         v = _values(op, dtype, seed, rank, nranks, start, count).astype(exact)
-        if acc is None:
-            acc = v
-        elif op in (ReduceOp.SUM, ReduceOp.AVG):
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
             acc += v
         elif op is ReduceOp.PRODUCT:
             acc *= v

@@ -39,7 +39,12 @@ from commlib.bench._specs import COLLECTIVES, DATATYPES, OPS, bandwidths, layout
 
 __all__ = ["Settings", "run"]
 
-_AVERAGE = {0: lambda v: v[0], 1: lambda v: sum(v) / len(v), 2: min, 3: max}  # nccl-tests' -a 0/1/2/3
+_AVERAGE: dict[int, Callable[[list[Any]], Any]] = {
+    0: lambda v: v[0],
+    1: lambda v: sum(v) / len(v),
+    2: min,
+    3: max,
+}  # nccl-tests' -a 0/1/2/3
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def _plan(s: Settings, name: str, nranks: int) -> list[tuple[str, str, int]]:
     return plan
 
 
-def _calls(job: _Job, case: _colls.Case, n: int) -> list[Callable[[], None]]:
+def _calls(job: _Job, case: _colls.Case, n: int) -> list[Callable[[], object]]:
     """The collective bound to the buffers at nccl-tests' rotating offsets, for ``n`` consecutive calls."""
     total = case.lay.size_bytes(case.dtype.itemsize)
     steps = job.s.maxbytes // total if total else 1
@@ -139,7 +144,7 @@ def _calls(job: _Job, case: _colls.Case, n: int) -> list[Callable[[], None]]:
     return [distinct[i % len(distinct)] for i in range(n)]
 
 
-def _verify(job: _Job, case: _colls.Case, call: Callable[[], None]) -> int:
+def _verify(job: _Job, case: _colls.Case, call: Callable[[], object]) -> int:
     """Run the call on fresh known inputs ``-c`` times; wrong elements summed over ranks (0 if all right)."""
     wrong = 0
     for _ in range(job.s.check):

@@ -14,9 +14,10 @@ import os
 import runpy
 import sys
 from pathlib import Path
+from typing import Any
 
 
-def _line_buffered(stream: io.TextIOWrapper) -> io.TextIO:
+def _line_buffered(stream: Any) -> Any:
     # A fresh buffered layer: under PYTHONUNBUFFERED the original has none to line-buffer.
     raw = open(stream.fileno(), "wb", buffering=1 << 16, closefd=False)  # noqa: SIM115 - lives as long as sys.stdout
     return _Lines(io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors))

@@ -12,9 +12,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from commlib.launch._mpiexec import find_mpiexec
 from commlib.launch._supervise import supervise
+
+if TYPE_CHECKING:  # the store is imported only by the jobs that use one
+    from commlib.store import TCPStore
+    from commlib.store._server import StoreServer
 
 __all__ = ["build_command", "main", "parse_args"]
 
@@ -152,9 +157,10 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, forward)
         code, failure = supervise(proc, Path(status), args.nproc_per_node)
-        for server in (store, monitor):
-            if server is not None:
-                server.stop() if hasattr(server, "stop") else server.close()
+        if store is not None:
+            store.close()
+        if monitor is not None:
+            monitor.stop()
     if failure is not None:
         rank, rank_code, why = failure
         where = Path(args.logdir or "log") / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
@@ -194,7 +200,7 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _monitor_env(args: argparse.Namespace, env: dict[str, str]) -> object | None:
+def _monitor_env(args: argparse.Namespace, env: dict[str, str]) -> StoreServer | None:
     """Give the workers a job store that outlives any of them (timeouts name the missing ranks through it),
     a job id and the flight recorder's folder; return the store server this launcher runs, if any."""
     import secrets
@@ -236,7 +242,7 @@ def _print_flight_summary(folder: Path, args: argparse.Namespace, since_ns: int)
     print(f"commlib.launch: flight recorder ({folder}):\n" + "\n".join(lines), file=sys.stderr, flush=True)
 
 
-def _serve_store(args: argparse.Namespace) -> object | None:
+def _serve_store(args: argparse.Namespace) -> TCPStore | None:
     """On node 0 of a multi-node job, serve the TCP store the nodes rendezvous through."""
     if args.nnodes == 1 or args.node_rank != 0:
         return None

@@ -32,7 +32,11 @@ def supervise(proc: subprocess.Popen, status: Path, n: int) -> tuple[int, tuple[
     worker that raised then gives the others up to ``_SETTLE`` s to fail by themselves (the job
     store tells them who failed); the survivors are asked again just before they are stopped.
     """
-    failure, term_at, kill_at, gone, watch = None, None, None, {}, _Exits(status, n)
+    failure: tuple[int, int, str] | None = None
+    term_at: float | None = None
+    kill_at: float | None = None
+    gone: dict[int, float] = {}
+    watch = _Exits(status, n)
     while (code := proc.poll()) is None:
         watch.wait(0.05, gone)
         if failure is None and (failure := _first_failure(status, n, gone)) is not None:
@@ -74,7 +78,8 @@ class _Exits:
     """
 
     def __init__(self, status: Path, n: int) -> None:
-        self.status, self.n, self.fds = status, n, {}
+        self.status, self.n = status, n
+        self.fds: dict[int, int | None] = {}
 
     def wait(self, timeout: float, gone: dict[int, float]) -> None:
         for rank in range(self.n):

@@ -36,5 +36,6 @@ from __future__ import annotations
 from commlib.store._base import Store, StoreProtocolError, StoreTokenError
 from commlib.store._client import PrefixStore, TCPStore
 from commlib.store._file import FileStore
+from commlib.store._foreign import as_store
 
-__all__ = ["FileStore", "PrefixStore", "Store", "StoreProtocolError", "StoreTokenError", "TCPStore"]
+__all__ = ["FileStore", "PrefixStore", "Store", "StoreProtocolError", "StoreTokenError", "TCPStore", "as_store"]

@@ -8,7 +8,6 @@ initialise MPI either; the function under test does that (mpi4py finalises at ex
 from __future__ import annotations
 
 import faulthandler
-import functools
 import importlib
 import importlib.util
 import os
@@ -101,12 +100,13 @@ def _import_module(name: str, file: str | None) -> ModuleType:
         return module
     if file is None:
         return importlib.import_module(name)
+    found: ModuleType | None
     try:
-        module = importlib.import_module(name)
+        found = importlib.import_module(name)
     except Exception:  # retried from the file, which re-raises real errors
-        module = None
-    if module is not None and _same_file(module, file):
-        return module
+        found = None
+    if found is not None and _same_file(found, file):
+        return found
     # pytest may have named the module after its rootdir-relative path with no
     # importable package behind it (tests/ without __init__.py, importmode=importlib).
     return _load_file(name, file)
@@ -119,7 +119,9 @@ def _load_call(spec_dir: Path) -> tuple[Callable[..., Any], tuple, dict]:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     module = _import_module(spec["module"], spec["file"])
-    fn = functools.reduce(getattr, spec["qualname"].split("."), module)
+    fn: Any = module
+    for part in spec["qualname"].split("."):
+        fn = getattr(fn, part)
     # Only now, with the function's module imported, can its objects be unpickled.
     with open(spec_dir / _ARGS_FILE, "rb") as f:
         args, kwargs = pickle.load(f)

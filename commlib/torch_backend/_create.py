@@ -17,16 +17,20 @@ def create(opts: Any, pg_options: Any = None) -> CommlibProcessGroup:
     members = [int(r) for r in opts.global_ranks_in_group]
     rank, size = int(opts.group_rank), int(opts.group_size)
     with LOCK:
-        group = _commlib_group(members, timeout)
+        group = _commlib_group(members, timeout, opts.store, rank, size)
         _check_ranks(group, members, rank, size)
     return CommlibProcessGroup(group, rank, size, timeout)
 
 
-def _commlib_group(members: list[int], timeout: float) -> Any:
-    """The commlib group for torch's group: the world (``None``) or a new group of ``members``."""
+def _commlib_group(members: list[int], timeout: float, store: Any, rank: int, size: int) -> Any:
+    """The commlib group for torch's group: the world (``None``) or a new group of ``members``.
+
+    The world forms from the launcher's variables, or torch's rank, size and store (processes
+    that no MPI launcher started meet through torch's store: ``mp.spawn`` with ``tcp://``).
+    """
     if not members:  # torch's default group
         if not commlib.is_initialized():
-            commlib.init_process_group(timeout=timeout)
+            commlib.init_process_group(timeout=timeout, store=store, rank=rank, world_size=size)
             return None
         try:  # a world made by an earlier commlib call is adopted, with torch's timeout
             commlib.init_process_group(timeout=timeout)

@@ -58,7 +58,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
     """torch's collectives, DDP, FSDP2 and DTensor over one commlib group (``None``: commlib's world)."""
 
     def __init__(self, group: Any, rank: int, size: int, timeout: float) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stub lists (store, rank, size); this takes two
         self._group = group
         self._timeout = timeout
         self._name = ""
@@ -126,7 +126,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
             submit(work)
         return work
 
-    def _one(self, tensors: list, call: str) -> torch.Tensor:
+    def _one(self, tensors: list, call: str) -> Any:
         if type(tensors) is list and len(tensors) == 1:
             return tensors[0]
         if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
@@ -280,7 +280,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, tensors: list, tag: int) -> dist.Work:
         """``dist.recv(src=None)``: receive from whichever rank sends first; the Work knows the source."""
         t, g = self._one(tensors, "recv"), self._group
-        work = self._issue("recv", None, tensors, lambda a: commlib.irecv(t, group=g, tag=tag))
+        work: Any = self._issue("recv", None, tensors, lambda a: commlib.irecv(t, group=g, tag=tag))
         work._source = lambda w: w.source_rank() if g is None else commlib.get_group_rank(g, w.source_rank())
         return work
 

@@ -1,0 +1,144 @@
+"""Any launcher: torchrun (standalone and multi-node), torch.multiprocessing.spawn with tcp:// and file://, and plain
+processes with env:// variables start commlib jobs on both backends, with the same answers as under mpiexec; a
+rank that never comes is named within the timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from commlib.launch._mpiexec import find_mpiexec
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "torch_distributed_eval.py"
+EMULATOR = {"COMMLIB_NCCL_EMULATOR": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL"))}
+    full |= {"OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
+
+
+def _answers(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    keys = ("world size", "accuracy", "best score", "positive predictions", "per-rank correct", "first scores")
+    return [line for line in (x.split("] ", 1)[-1] for x in proc.stdout.splitlines()) if line.startswith(keys)]
+
+
+@pytest.fixture(scope="module")
+def under_mpiexec() -> dict[int, list[str]]:
+    """The example's answers on 3 and 4 ranks under mpiexec: what every other launcher must print."""
+    runs = {n: _answers(_run([find_mpiexec(), "-n", str(n), sys.executable, str(EXAMPLE)])) for n in (3, 4)}
+    assert runs[3][0] == "world size 3" and len(runs[3]) == 6, runs
+    return runs
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+@pytest.mark.parametrize("backend", ["mpi", "nccl"])
+def test_torchrun_standalone(backend: str, under_mpiexec: dict[int, list[str]]) -> None:
+    """mpi: the processes torchrun starts are joined into one MPI world; nccl: the unique id goes through torchrun's
+    store, no MPI at all."""
+    cmd = _torchrun("--standalone", "--nproc_per_node", "3", str(EXAMPLE))
+    assert _answers(_run(cmd, EMULATOR if backend == "nccl" else {})) == under_mpiexec[3]
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_mp_spawn(scheme: str, tmp_path: Path, under_mpiexec: dict[int, list[str]]) -> None:
+    init = f"tcp://127.0.0.1:{_free_port()}" if scheme == "tcp" else f"file://{tmp_path / 'rendezvous'}"
+    assert _answers(_run([sys.executable, str(EXAMPLE), "--spawn", "3", init])) == under_mpiexec[3]
+    assert not (tmp_path / "rendezvous").exists()  # the file store is removed once every rank has left
+
+
+def test_mp_spawn_on_the_nccl_emulator(under_mpiexec: dict[int, list[str]]) -> None:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    assert _answers(_run([sys.executable, str(EXAMPLE), "--spawn", "3", init], EMULATOR)) == under_mpiexec[3]
+
+
+def test_torchrun_two_nodes_through_a_rendezvous_endpoint(under_mpiexec: dict[int, list[str]]) -> None:
+    """Two torchrun agents (two "nodes" on one host) of 2 workers each, meeting at --rdzv_endpoint."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    args = ["--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_"))} | {"OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(_torchrun(*args, "--rdzv_id", "two-nodes", str(EXAMPLE)), cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]  # fmt: skip
+    outs = [node.communicate(timeout=180) for node in nodes]
+    for node, (_, err) in zip(nodes, outs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    answers = [line for out, _ in outs for line in _answers(subprocess.CompletedProcess([], 0, out, ""))]
+    assert answers == under_mpiexec[4]  # rank 0 (on one of the nodes) prints
+
+
+PLAIN = """
+import numpy as np, commlib as dist
+dist.init_process_group()
+x = np.full(3, dist.get_rank() + 1.0)
+dist.all_reduce(x)
+g = dist.new_group([1, 0])
+y = np.array([float(dist.get_rank())])
+dist.broadcast(y, src=1, group=g)
+print("rank", dist.get_rank(), "of", dist.get_world_size(), x.tolist(), y.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("backend", ["mpi", "nccl"])
+def test_plain_processes_meet_through_env_variables(backend: str, tmp_path: Path) -> None:
+    """No launcher at all: two processes given RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT by hand."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_"))}
+    base |= {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    base |= EMULATOR if backend == "nccl" else {}
+    procs = [
+        subprocess.Popen([sys.executable, str(script)], env={**base, "RANK": str(r)}, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        for r in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, err[-3000:]
+        assert f"rank {r} of 2 [3.0, 3.0, 3.0] [1.0]" in out, out
+
+
+def test_a_rank_that_never_comes_is_named_within_the_timeout() -> None:
+    """WORLD_SIZE=2 but only rank 0 starts: it says who it waited for, where, and what to do, in about 3 s."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    start = time.monotonic()
+    proc = _run([sys.executable, "-c", "import commlib as d; d.init_process_group(timeout=3)"], env, timeout=60)
+    took = time.monotonic() - start
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("commlib.errors.CommTimeoutError: init_process_group: rank 0 of 2 (RANK and WORLD_SIZE):")
+    assert "not every rank reached the rendezvous store it serves at 127.0.0.1:" in last and "within 3 s" in last
+    assert took < 30, took  # generous for a loaded machine: the point is "not a hang"
+
+
+def test_a_rank_whose_store_nobody_serves_is_named() -> None:
+    """Rank 1 with no rank 0 serving the store: it names the address it tried, in about 3 s."""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    proc = _run([sys.executable, "-c", "import commlib as d; d.init_process_group(timeout=3)"], env, timeout=60)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "rank 1 of 2 (RANK and WORLD_SIZE): could not reach the rendezvous store at 127.0.0.1:" in last, last
+    assert "is rank 0 running, with the same address?" in last
