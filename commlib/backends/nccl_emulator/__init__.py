@@ -32,8 +32,9 @@ import time
 
 import numpy as np
 
-from ._comm import CommCore, group_end, group_start, split, submit
+from ._comm import CommCore, split
 from ._errors import INVALID_ARGUMENT, NcclError, check_status, op_timeout
+from ._launch import group_end, group_start, submit
 from ._ops import (
     DTYPES,
     REDOPS,

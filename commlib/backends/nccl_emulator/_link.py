@@ -8,6 +8,11 @@ destination buffer (no copy); an early one is kept until it is posted. Keys are
 several phases of one collective) never mix. Sends never wait for the peer's
 operation, because the peer's receiver thread always drains the socket: that is
 what makes any send/recv order inside a group deadlock-free.
+
+Besides blocking waits, a receive can be watched: the thread that fills the
+last watched receive of an operation (usually a receiver thread) is the one
+that completes it, so a small operation needs no thread of its own (see
+``_launch``).
 """
 
 from __future__ import annotations
@@ -17,12 +22,19 @@ import socket
 import struct
 import threading
 import time
+from typing import Protocol
 
 import numpy as np
 
+try:
+    from fcntl import ioctl
+    from termios import TIOCOUTQ  # == SIOCOUTQ on Linux: bytes not yet acknowledged by the peer
+except ImportError:  # no such query here: every operation goes through its stream's worker
+    ioctl = TIOCOUTQ = None
+
 from ._errors import INVALID_USAGE, REMOTE_ERROR, NcclError
 
-__all__ = ["BYE", "COLL", "P2P", "Key", "Link", "Mailbox"]
+__all__ = ["BYE", "COLL", "P2P", "Key", "Link", "Mailbox", "Watcher"]
 
 # Message kinds.
 COLL, P2P, BYE = 1, 2, 3
@@ -31,6 +43,16 @@ _SMALL = 1 << 16  # payloads up to this are sent with their header in one write
 _LINGER = 10.0  # seconds a destroyed link waits for the peer's goodbye before cutting it
 
 Key = tuple[int, int, int]  # (kind, sequence, tag)
+Slot = tuple[int, Key]  # (peer, key)
+
+
+class Watcher(Protocol):
+    """What waits for watched receives: told once, either ``ready()`` or ``failed(error)``."""
+
+    expired: bool  # set (by its deadline guard) before it calls Mailbox.unwatch
+
+    def ready(self) -> None: ...
+    def failed(self, error: NcclError) -> None: ...
 
 
 class Mailbox:
@@ -42,6 +64,8 @@ class Mailbox:
         self._early: dict[tuple[int, Key], np.ndarray | bytearray] = {}
         self._done: set[tuple[int, Key]] = set()
         self._gone: dict[int, str] = {}  # peer -> why it can no longer send
+        self._watched: dict[Slot, Watcher] = {}  # unfilled watched slot -> who waits for it
+        self._watching: dict[Watcher, int] = {}  # watcher -> how many of its slots are unfilled
         self.error: NcclError | None = None  # set once: the communicator is broken or closed
 
     def post(self, peer: int, key: Key, view: memoryview) -> None:
@@ -54,7 +78,9 @@ class Mailbox:
                 return
             self._check_size(peer, key, len(view), len(early))
             view[:] = early
-            self._done.add(slot)
+            watcher = self._fill(slot)
+        if watcher is not None:
+            watcher.ready()
 
     def deliver_local(self, peer: int, key: Key, data: memoryview) -> None:
         """A message to oneself (send/recv with peer == rank): no socket involved."""
@@ -83,14 +109,80 @@ class Mailbox:
                 return
             self._check_size(peer, key, len(view), len(data))
             view[:] = data
-            self._done.add(slot)
+            watcher = self._fill(slot)
             self.cond.notify_all()
+        if watcher is not None:
+            watcher.ready()
 
     def complete(self, peer: int, key: Key) -> None:
         """Mark a posted receive as filled."""
         with self.cond:
-            self._done.add((peer, key))
+            watcher = self._fill((peer, key))
             self.cond.notify_all()
+        if watcher is not None:
+            watcher.ready()
+
+    def _fill(self, slot: Slot) -> Watcher | None:
+        """Mark ``slot`` filled (lock held); return its watcher if that was the last slot it waited for."""
+        self._done.add(slot)
+        watcher = self._watched.pop(slot, None)
+        if watcher is None:
+            return None
+        left = self._watching[watcher] - 1
+        if left:
+            self._watching[watcher] = left
+            return None
+        del self._watching[watcher]
+        return watcher
+
+    def watch(self, watcher: Watcher, slots: list[Slot]) -> None:
+        """Tell ``watcher`` once every posted slot is filled, or that one never will be.
+
+        Told in this thread if that is known now, else in the thread that fills the last
+        slot or breaks the mailbox (never with the lock held, except inside ``fail()``).
+        """
+        with self.cond:
+            unfilled = [slot for slot in slots if slot not in self._done]
+            error = self._hopeless(unfilled, watcher.expired)
+            if error is None and unfilled:
+                for slot in unfilled:
+                    self._watched[slot] = watcher
+                self._watching[watcher] = len(unfilled)
+                return
+        if error is None:
+            watcher.ready()
+        else:
+            watcher.failed(error)
+
+    def unwatch(self, watcher: Watcher) -> NcclError | None:
+        """Stop watching ``watcher`` (its deadline passed): the error it now fails with, or None if it was told."""
+        with self.cond:
+            if self._watching.pop(watcher, None) is None:
+                return None
+            unfilled = self._drop({watcher})
+            peer, key = unfilled[0]
+        return NcclError(REMOTE_ERROR, f"timed out waiting for rank {peer} (message {key})")
+
+    def _drop(self, watchers: set) -> list[Slot]:
+        """Forget the watched slots of ``watchers`` (lock held); return them in watch order."""
+        slots = [slot for slot, w in self._watched.items() if w in watchers]
+        for slot in slots:
+            del self._watched[slot]
+        return slots
+
+    def _hopeless(self, unfilled: list[Slot], expired: bool) -> NcclError | None:
+        """Why one of the ``unfilled`` slots will never be filled (what wait() would raise), or None (lock held)."""
+        if not unfilled:
+            return None
+        if self.error is not None:
+            return self.failure()
+        for peer, _ in unfilled:
+            if peer in self._gone:
+                return NcclError(REMOTE_ERROR, f"rank {peer} {self._gone[peer]}")
+        if expired:
+            peer, key = unfilled[0]
+            return NcclError(REMOTE_ERROR, f"timed out waiting for rank {peer} (message {key})")
+        return None
 
     def wait(self, peer: int, key: Key, deadline: float) -> None:
         """Block until the posted receive ``key`` from ``peer`` is filled; NcclError on failure or timeout."""
@@ -115,8 +207,14 @@ class Mailbox:
     def peer_gone(self, peer: int, why: str) -> None:
         """Record that ``peer`` will send nothing more; its pending receives fail when waited for."""
         with self.cond:
-            self._gone.setdefault(peer, why)
+            why = self._gone.setdefault(peer, why)
+            hit = {w for (p, _), w in self._watched.items() if p == peer}
+            self._drop(hit)
+            for watcher in hit:
+                del self._watching[watcher]
             self.cond.notify_all()
+        for watcher in hit:
+            watcher.failed(NcclError(REMOTE_ERROR, f"rank {peer} {why}"))
 
     def gone(self, peer: int) -> str | None:
         """Why ``peer`` can no longer send, or None."""
@@ -134,7 +232,12 @@ class Mailbox:
         with self.cond:
             if self.error is None:
                 self.error = error
+            hit = list(self._watching)
+            self._watched.clear()
+            self._watching.clear()
             self.cond.notify_all()
+        for watcher in hit:  # with the lock still held if fail() came from a locked step (it is reentrant)
+            watcher.failed(self.failure())
 
     def _check_size(self, peer: int, key: Key, expected: int, got: int) -> None:
         if expected != got:
@@ -156,6 +259,9 @@ class Link:
         self._comm_id = comm_id
         self._mailbox = mailbox
         self._send_lock = threading.Lock()
+        # A queue this long means the peer is not reading (stopped, hung): a further frame might block.
+        self._backlog = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
+        self._queued = 0  # bounds the bytes the peer has not acknowledged: last measured + sent since
         self._linger: threading.Timer | None = None
         self._thread = threading.Thread(target=self._receive_loop, name=f"nccl-emulator-rx-{peer}", daemon=True)
         self._thread.start()
@@ -166,6 +272,7 @@ class Link:
         header = _HEADER.pack(self._comm_id, kind, tag, seq, len(data))
         try:
             with self._send_lock:
+                self._queued += len(header) + len(data)
                 if len(data) <= _SMALL:
                     self._sock.sendall(header + data)
                 else:
@@ -176,6 +283,25 @@ class Link:
                 raise self._mailbox.failure() from exc
             why = self._mailbox.gone(self.peer) or f"is unreachable ({exc})"
             raise NcclError(REMOTE_ERROR, f"sending to rank {self.peer}: rank {self.peer} {why}") from exc
+
+    def can_send_now(self) -> bool:
+        """Whether a small frame would go out at once: no send in progress, and the peer keeps up.
+
+        The kernel's queue only shrinks as the peer reads, so the kernel is asked (a syscall)
+        only once the bytes sent since it was last asked could have made the queue long.
+        """
+        if self._send_lock.locked():
+            return False
+        if self._queued < self._backlog:
+            return True
+        if ioctl is None:
+            return False
+        with self._send_lock:
+            try:
+                self._queued = struct.unpack("i", ioctl(self._sock.fileno(), TIOCOUTQ, b"\0\0\0\0"))[0]
+            except OSError:  # closed, or a platform that does not answer: take the worker's path
+                return False
+        return self._queued < self._backlog
 
     def goodbye(self) -> None:
         """Graceful close: tell the peer, stop writing, and let the receiver thread close after its goodbye."""

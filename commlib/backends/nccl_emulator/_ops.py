@@ -53,6 +53,9 @@ _ACCUMULATE = {np.dtype(np.float16): np.dtype(np.float32), np.dtype(ml_dtypes.bf
 # All-reduces up to this many bytes send everything to everybody (one round trip); larger ones
 # reduce-scatter then all-gather (each rank sends and reduces 1/n of the data per phase).
 _DIRECT_BYTES = 256 * 1024
+# Operations whose buffers are all this small may run in place (see ``_launch``): their frames fit
+# an empty socket buffer, and completing them is cheap enough for a receiver thread.
+_EAGER_BYTES = 16 * 1024
 
 
 class Channel(Protocol):
@@ -126,6 +129,7 @@ class Op:
     """One posted NCCL operation of one communicator."""
 
     multi_phase = False  # whether complete() sends too (then a group completes it on its own thread)
+    eager = True  # whether it may run in place: small and single-phase (set from its buffers)
 
     def __init__(self, comm: Channel) -> None:
         self.comm = comm
@@ -144,6 +148,13 @@ class Op:
         self.complete(deadline)
         self.comm.recycle(self._scratch)
         self._scratch = []
+
+    def awaited(self) -> list[tuple[int, Key]]:
+        """The posted receives not yet waited for, as (peer, key)."""
+        return [slot for slots in self._pending.values() for slot in slots]
+
+    def _sized(self, *buffers: np.ndarray) -> None:
+        self.eager = not self.multi_phase and max(b.nbytes for b in buffers) <= _EAGER_BYTES
 
     def abandon(self) -> None:
         """Withdraw the receives not yet waited for (the operation failed)."""
@@ -194,6 +205,7 @@ class AllReduce(_Collective):
         super().__init__(comm, seq)
         self.src, self.dst, self.op = src, dst, op
         self.multi_phase = src.nbytes > _DIRECT_BYTES and comm.size > 1
+        self._sized(src, dst)
         self._parts: dict[int, np.ndarray] = {}
 
     def post(self) -> None:
@@ -233,6 +245,7 @@ class Reduce(_Collective):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray, op: int, root: int) -> None:
         super().__init__(comm, seq)
         self.src, self.dst, self.op, self.root = src, dst, op, root
+        self._sized(src, dst)
         self._parts: dict[int, np.ndarray] = {}
 
     def post(self) -> None:
@@ -256,6 +269,7 @@ class Broadcast(_Collective):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray, root: int) -> None:
         super().__init__(comm, seq)
         self.src, self.dst, self.root = src, dst, root
+        self._sized(src, dst)
 
     def post(self) -> None:
         if self.comm.rank != self.root:
@@ -273,6 +287,7 @@ class AllGather(_Collective):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray) -> None:
         super().__init__(comm, seq)
         self.src, self.dst = src, dst
+        self._sized(src, dst)
 
     def post(self) -> None:
         count = self.src.size
@@ -291,6 +306,7 @@ class ReduceScatter(_Collective):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray, op: int) -> None:
         super().__init__(comm, seq)
         self.src, self.dst, self.op = src, dst, op
+        self._sized(src, dst)
         self._parts: dict[int, np.ndarray] = {}
 
     def _block(self, j: int) -> np.ndarray:
@@ -317,6 +333,7 @@ class Send(Op):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, peer: int) -> None:
         super().__init__(comm)
         self.src, self.peer, self.key = src, peer, (P2P, seq, 0)
+        self._sized(src)
 
     def post(self) -> None:
         self._send(self.peer, self.key, self.src)
@@ -328,6 +345,7 @@ class Recv(Op):
     def __init__(self, comm: Channel, seq: int, dst: np.ndarray, peer: int) -> None:
         super().__init__(comm)
         self.dst, self.peer, self.key = dst, peer, (P2P, seq, 0)
+        self._sized(dst)
 
     def post(self) -> None:
         self._recv(self.peer, self.key, self.dst)
