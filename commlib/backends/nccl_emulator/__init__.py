@@ -141,6 +141,8 @@ class NcclConfig:
 
 def _index(value: object, name: str) -> int:
     """An integer argument, converted like Cython does (TypeError for non-integers)."""
+    if type(value) is int:  # the common case, without a call
+        return value
     try:
         return operator.index(value)
     except TypeError:

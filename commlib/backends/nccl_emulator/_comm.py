@@ -10,16 +10,19 @@ too, and later calls raise.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from ._errors import INVALID_ARGUMENT, INVALID_USAGE, NcclError
 from ._launch import execute
-from ._link import Key, Link, Mailbox
+from ._link import Link
+from ._mailbox import Key, Mailbox
 from ._ops import AllGather
 from ._wire import connect_mesh, open_listener
 
@@ -39,8 +42,9 @@ class CommCore:
         self.rank, self.size, self.comm_id, self.ip = rank, size, comm_id, ip
         self.mailbox = Mailbox()
         self.links = {peer: Link(sock, peer, comm_id, self.mailbox) for peer, sock in socks.items()}
-        self._lock = threading.Condition()
-        self._coll_seq = 0
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # destroy() waits here for the operations in flight
+        self._coll_seq = itertools.count(1)  # next() is atomic: no lock on the hot path
         self._send_seq = [0] * size
         self._recv_seq = [0] * size
         self._inflight = 0
@@ -63,8 +67,18 @@ class CommCore:
         self.mailbox.post(peer, key, view)
 
     def wait(self, peer: int, key: Key, deadline: float) -> None:
-        """Block until a posted message arrived."""
-        self.mailbox.wait(peer, key, deadline)
+        """Block until a posted message arrived (the link's receiver thread reads it meanwhile)."""
+        link = self.links.get(peer)
+        if link is None:  # from oneself
+            self.mailbox.wait(peer, key, deadline)
+            return
+        with link.wanted():
+            self.mailbox.wait(peer, key, deadline)
+
+    def pump(self, peer: int, stop: Callable[[], bool], until: float | None) -> bool:
+        """Read ``peer``'s messages in this thread until ``stop()`` or ``until``; False if another thread reads them."""
+        link = self.links.get(peer)
+        return link is not None and link.pump(stop, until)
 
     def forget(self, peer: int, key: Key) -> None:
         """Withdraw a posted receive."""
@@ -76,6 +90,8 @@ class CommCore:
 
     def scratch(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes`` for received data (reused when large)."""
+        if nbytes < _SCRATCH_MIN:
+            return np.empty(nbytes, np.uint8)
         with self._lock:
             free = self._scratch.get(nbytes)
             if free:
@@ -85,10 +101,13 @@ class CommCore:
 
     def recycle(self, buffers: list[np.ndarray]) -> None:
         """Give scratch buffers back after a successful operation (a failed one may still be written to)."""
+        buffers = [buf for buf in buffers if buf.nbytes >= _SCRATCH_MIN]
+        if not buffers:
+            return
         with self._lock:
             for buf in buffers:
-                if buf.nbytes < _SCRATCH_MIN or self._scratch_bytes + buf.nbytes > _SCRATCH_CAP:
-                    continue  # small ones are cheap to allocate; past the cap, let them go
+                if self._scratch_bytes + buf.nbytes > _SCRATCH_CAP:
+                    continue  # past the cap, let them go (small ones were: they are cheap to allocate)
                 free = self._scratch.setdefault(buf.nbytes, [])
                 if len(free) < 4:
                     free.append(buf)
@@ -111,9 +130,7 @@ class CommCore:
 
     def next_collective(self) -> int:
         """The sequence number of the next collective (call order)."""
-        with self._lock:
-            self._coll_seq += 1
-            return self._coll_seq
+        return next(self._coll_seq)
 
     def next_p2p(self, peer: int, sending: bool) -> int:
         """The sequence number of the next send to / receive from ``peer``."""
@@ -133,7 +150,8 @@ class CommCore:
         with self._lock:
             self._inflight -= 1
             idle = self._inflight == 0
-            self._lock.notify_all()
+            if idle and self.state != _OPEN:  # destroy() may be waiting for this
+                self._idle.notify_all()
         if idle and self._close_when_idle:
             self._say_goodbye()
 
@@ -153,7 +171,7 @@ class CommCore:
             if self.state != _OPEN:
                 return
             self.state = _DESTROYED
-            self._lock.wait_for(lambda: self._inflight == 0, timeout)
+            self._idle.wait_for(lambda: self._inflight == 0, timeout)
         self._say_goodbye()
 
     def release(self) -> None:

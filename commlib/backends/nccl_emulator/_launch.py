@@ -61,8 +61,8 @@ def submit(op: Op, stream: Stream, timeout: float) -> None:
 
 def _launch(items: list[tuple[Op, Stream]], timeout: float) -> None:
     """Run the operations as one unit on the first one's stream; the other streams join it before and after."""
-    streams = list(dict.fromkeys(stream for _, stream in items))
-    lead, others = streams[0], streams[1:]
+    lead = items[0][1]
+    others = [s for s in dict.fromkeys(stream for _, stream in items) if s is not lead] if len(items) > 1 else []
     ops = [op for op, _ in items]
     for op in ops:
         op.comm.begin()
@@ -133,16 +133,22 @@ class _InPlace:
         self.ops, self.stream, self.deadline = ops, stream, deadline
         self.comm = ops[0].comm
         self.expired = False  # read by the mailbox when it is told to watch
+        self.expiring = False  # set by the stream's worker
         self._posting = True
+        self._told = False
+        self._peer: int | None = None  # the one peer all replies come from, if there is one
 
     @classmethod
     def start(cls, ops: list[Op], stream: Stream, timeout: float) -> bool:
         """Run ``ops`` in place if they are small, of one communicator, and ``stream`` is idle (else False)."""
         comm = ops[0].comm
-        if not all(op.comm is comm and op.eager for op in ops) or not comm.can_send_now():
+        for op in ops:
+            if op.comm is not comm or not op.eager:
+                return False
+        if not comm.can_send_now():
             return False
         unit = cls(ops, stream, time.monotonic() + timeout)
-        if not stream.start_in_place(unit.deadline, unit.expire):
+        if not stream.start_in_place(unit):
             return False
         try:
             for op in ops:
@@ -153,13 +159,28 @@ class _InPlace:
             return True
         finally:
             unit._posting = False
-        comm.mailbox.watch(unit, [slot for op in ops for slot in op.awaited()])
+        slots = [slot for op in ops for slot in op.awaited()]
+        peers = {peer for peer, _ in slots}
+        unit._peer = peers.pop() if len(peers) == 1 else None
+        comm.mailbox.watch(unit, slots)
         return True
+
+    def drive(self, until: float | None) -> bool:
+        """Read the replies in this thread (a host waiting for the unit) until it is told, or ``until``.
+
+        False if that cannot be done here: it is told already, its replies come from several
+        peers, or another thread reads them (then that thread delivers them).
+        """
+        if self._told or self._peer is None:
+            return False
+        return self.comm.pump(self._peer, lambda: self._told, until)
 
     def ready(self) -> None:
         """Every receive is filled: complete the operations (nothing blocks now) and advance the stream."""
+        self._told = True
         try:
             for op in self.ops:
+                op.received()
                 self.comm.check_runnable()
                 op.finish(self.deadline)
         except Exception as exc:
@@ -169,6 +190,7 @@ class _InPlace:
 
     def failed(self, error: NcclError) -> None:
         """Break the communicator with ``error`` (the first error wins), as a failed step on the worker does."""
+        self._told = True
         for op in self.ops:
             op.abandon()
         self.comm.fail(error)

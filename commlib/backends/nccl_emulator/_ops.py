@@ -17,7 +17,8 @@ from typing import Protocol
 import ml_dtypes
 import numpy as np
 
-from ._link import COLL, P2P, Key
+from ._link import COLL, P2P
+from ._mailbox import Key
 
 __all__ = [
     "DTYPES",
@@ -74,10 +75,23 @@ class Channel(Protocol):
 
 def host_array(ptr: int, count: int, dtype: np.dtype) -> np.ndarray:
     """A numpy view of ``count`` elements of ``dtype`` at host address ``ptr`` (no copy)."""
-    nbytes = count * dtype.itemsize
-    if nbytes == 0:
-        return np.empty(0, dtype)
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)
+    key = (ptr, count, dtype)
+    view = _views.get(key)
+    if view is None:
+        nbytes = count * dtype.itemsize
+        if nbytes == 0:
+            return np.empty(0, dtype)
+        view = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)
+        if len(_views) >= _VIEWS_KEPT:
+            _views.clear()
+        _views[key] = view
+    return view
+
+
+# Recent views by (address, count, dtype): the same buffers come back call after call, and a view
+# owns nothing, so an old one is as good as a new one (it only names the memory; the caller vouches for it).
+_views: dict[tuple[int, int, np.dtype], np.ndarray] = {}
+_VIEWS_KEPT = 64
 
 
 def _bytes(arr: np.ndarray) -> memoryview:
@@ -100,7 +114,8 @@ def reduce_into(out: np.ndarray, parts: list[np.ndarray], op: int, nranks: int) 
     """out = parts[0] op parts[1] op ... in that order (AVG: the sum divided by ``nranks``)."""
     ufunc = REDOPS[op]
     acc_dtype = _ACCUMULATE.get(out.dtype)
-    fits_in_out = not any(np.may_share_memory(out, p) for p in parts[2:])  # out may alias parts 0 or 1 only
+    # out may alias parts 0 or 1 only (two parts: nothing to check)
+    fits_in_out = len(parts) == 2 or not any(np.may_share_memory(out, p) for p in parts[2:])
     if acc_dtype is None and op != AVG and len(parts) >= 2 and fits_in_out:
         ufunc(parts[0], parts[1], out=out)  # no temporary for the common case
         for part in parts[2:]:
@@ -146,15 +161,21 @@ class Op:
     def finish(self, deadline: float) -> None:
         """complete(), then hand the scratch buffers back for reuse."""
         self.complete(deadline)
-        self.comm.recycle(self._scratch)
-        self._scratch = []
+        if self._scratch:
+            self.comm.recycle(self._scratch)
+            self._scratch = []
 
     def awaited(self) -> list[tuple[int, Key]]:
         """The posted receives not yet waited for, as (peer, key)."""
         return [slot for slots in self._pending.values() for slot in slots]
 
-    def _sized(self, *buffers: np.ndarray) -> None:
-        self.eager = not self.multi_phase and max(b.nbytes for b in buffers) <= _EAGER_BYTES
+    def received(self) -> None:
+        """Every posted receive is filled (a mailbox watch said so): complete() has nothing to wait for."""
+        self._pending.clear()
+
+    def _sized(self, a: np.ndarray, b: np.ndarray | None = None) -> None:
+        nbytes = a.nbytes if b is None else max(a.nbytes, b.nbytes)
+        self.eager = nbytes <= _EAGER_BYTES and not self.multi_phase
 
     def abandon(self) -> None:
         """Withdraw the receives not yet waited for (the operation failed)."""

@@ -28,7 +28,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["CUDARuntimeError", "Device", "Event", "Stream", "cuda", "get_current_stream", "resolve_stream"]
 
@@ -36,6 +36,17 @@ _DEVICE_COUNT = 1  # one emulated device per process: device 0
 # How long a query of pending work waits for it (blocking, so the GIL goes to the device's threads);
 # long enough to cover a small operation, short enough that a polling host never notices.
 _QUERY_YIELD = 0.001
+_RETRY = 0.001  # how soon a host waiting behind another thread that drives the task looks again
+
+
+class InPlaceTask(Protocol):
+    """Work started in place (see _StreamCore.start_in_place)."""
+
+    deadline: float  # monotonic
+    expiring: bool  # set by the worker once it called expire()
+
+    def expire(self) -> None: ...
+    def drive(self, until: float | None) -> bool: ...
 
 
 class CUDARuntimeError(RuntimeError):
@@ -47,14 +58,15 @@ class _StreamCore:
 
     def __init__(self, ptr: int) -> None:
         self.ptr = ptr
-        lock = threading.RLock()  # reentrant: a garbage-collected Stream closes its core from inside any step
-        self._work = threading.Condition(lock)  # the worker waits here for tasks (and deadlines)
-        self._progress = threading.Condition(lock)  # hosts wait here for completions: never wakes the worker
+        self._lock = threading.RLock()  # reentrant: a garbage-collected Stream closes its core from inside any step
+        self._work = threading.Condition(self._lock)  # the worker waits here for tasks (and deadlines)
+        self._progress = threading.Condition(self._lock)  # hosts wait here for completions: never wakes the worker
+        self._hosts = 0  # threads waiting on _progress (notify_all costs a few calls: skipped when none)
         self._queue: deque[Callable[[], Any]] = deque()
         self._enqueued = 0  # tickets: the n-th enqueued callable has ticket n
         self.completed = 0
         self._busy = False  # a task is running on the worker, or in flight in place
-        self._guard: tuple[float, Callable[[], Any]] | None = None  # the in-place task's deadline and expiry
+        self._task: InPlaceTask | None = None  # the task started in place, while it is in flight
         self._armed = math.inf  # when the waiting worker wakes up next
         self._horizon = -math.inf  # the latest deadline of a task started in place
         self._thread: threading.Thread | None = None
@@ -62,35 +74,36 @@ class _StreamCore:
 
     def submit(self, fn: Callable[[], Any]) -> None:
         """Enqueue ``fn``; it runs on the worker after everything enqueued before it."""
-        with self._work:
+        with self._lock:
             self._queue.append(fn)
             self._enqueued += 1
             self._start_worker()
             self._work.notify()
 
-    def start_in_place(self, deadline: float, expire: Callable[[], Any]) -> bool:
+    def start_in_place(self, task: InPlaceTask) -> bool:
         """Take the next ticket for a task the caller starts itself, if the stream is idle (else False).
 
         Whoever completes the task calls ``finish_in_place()``; if it is still in flight at
-        ``deadline``, the worker calls ``expire()``.
+        ``task.deadline``, the worker calls ``task.expire()``.
         """
-        with self._work:
+        with self._lock:
             if self._busy or self._queue:
                 return False
             self._enqueued += 1
-            self._busy, self._guard = True, (deadline, expire)
-            self._horizon = max(self._horizon, deadline)
+            self._busy, self._task = True, task
+            self._horizon = max(self._horizon, task.deadline)
             self._start_worker()
-            if deadline < self._armed:  # else the worker wakes up in time anyway: no wake-up per call
+            if task.deadline < self._armed:  # else the worker wakes up in time anyway: no wake-up per call
                 self._work.notify()
             return True
 
     def finish_in_place(self) -> None:
         """The task started in place is done (successfully or not)."""
-        with self._work:
-            self._busy, self._guard = False, None
+        with self._lock:
+            self._busy, self._task = False, None
             self.completed += 1
-            self._progress.notify_all()
+            if self._hosts:
+                self._progress.notify_all()
             if self._queue or self._closing:  # the worker has work, or may exit: else let it sleep on
                 self._work.notify()
 
@@ -101,29 +114,47 @@ class _StreamCore:
 
     def ticket(self) -> int:
         """The ticket of the last enqueued callable (0 if none): what an event recorded now waits for."""
-        with self._work:
-            return self._enqueued
+        return self._enqueued  # one int read is atomic: no lock needed
 
     def reached(self, ticket: int) -> bool:
         """Whether every callable up to ``ticket`` has run (never blocks)."""
         return self.completed >= ticket
 
     def wait_for(self, ticket: int, timeout: float | None = None) -> bool:
-        """Block until every callable up to ``ticket`` has run (True), or ``timeout`` seconds passed (False)."""
+        """Block until every callable up to ``ticket`` has run (True), or ``timeout`` seconds passed (False).
+
+        While a task started in place is in flight, the waiting thread drives it (reads its replies).
+        """
         if self.completed >= ticket:
             return True
-        with self._progress:
-            return self._progress.wait_for(lambda: self.completed >= ticket, timeout)
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            task = self._task  # a stale read is harmless: drive() declines a task that is told already
+            if task is None or not task.drive(until):
+                with self._lock:
+                    if self.completed < ticket:
+                        remaining = math.inf if until is None else max(until - time.monotonic(), 0.0)
+                        # Another thread drives the task: look again soon, it may stop before this one's is in.
+                        remaining = min(remaining, _RETRY) if task is not None else remaining
+                        self._hosts += 1
+                        try:
+                            self._progress.wait(None if remaining == math.inf else remaining)
+                        finally:
+                            self._hosts -= 1
+            if self.completed >= ticket:
+                return True
+            if until is not None and time.monotonic() >= until:
+                return False
 
     def close(self) -> None:
         """Let the worker exit once its queue is empty (the Stream object is gone)."""
-        with self._work:
+        with self._lock:
             self._closing = True
             self._work.notify()
 
     def _run(self) -> None:
         while True:
-            with self._work:
+            with self._lock:
                 job = self._next_job()
             if job is None:
                 return
@@ -134,18 +165,19 @@ class _StreamCore:
                 print(f"nccl emulator: work on stream {self.ptr:#x} raised:", file=sys.stderr)
                 traceback.print_exc()
             if queued:
-                with self._work:
+                with self._lock:
                     self._busy = False
                     self.completed += 1
-                    self._progress.notify_all()
+                    if self._hosts:
+                        self._progress.notify_all()
 
     def _next_job(self) -> tuple[Callable[[], Any], bool] | None:
         """Wait (lock held) for the worker's next job: (callable, whether it is a queued task), or None to exit."""
         while True:
-            guard = self._guard
-            if guard is not None and guard[0] <= time.monotonic():
-                self._guard = None
-                return guard[1], False
+            task = self._task
+            if task is not None and task.deadline <= time.monotonic() and not task.expiring:
+                task.expiring = True
+                return task.expire, False
             if self._queue and not self._busy:
                 self._busy = True
                 return self._queue.popleft(), True
@@ -153,7 +185,7 @@ class _StreamCore:
                 return None
             # Sleep until the guarded deadline, or the last one seen: the next task started in place
             # has a later deadline, so the worker needs no wake-up per task (see start_in_place).
-            wake = guard[0] if guard is not None else self._horizon
+            wake = task.deadline if task is not None and not task.expiring else self._horizon
             remaining = wake - time.monotonic()
             self._armed = wake if remaining > 0 else math.inf
             self._work.wait(remaining if remaining > 0 else None)
@@ -203,9 +235,9 @@ class Stream:
         else:
             self._core.submit(fn)
 
-    def start_in_place(self, deadline: float, expire: Callable[[], Any]) -> bool:
+    def start_in_place(self, task: InPlaceTask) -> bool:
         """Take the next position for work the caller starts itself, if the stream is idle (see _StreamCore)."""
-        return self._core is not None and self._core.start_in_place(deadline, expire)
+        return self._core is not None and self._core.start_in_place(task)
 
     def finish_in_place(self) -> None:
         """The work started in place is done: later work may run."""
