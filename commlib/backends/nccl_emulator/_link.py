@@ -71,6 +71,11 @@ class Link:
         self._queued = 0  # bounds the bytes the peer has not acknowledged: last measured + sent since
         self._reader = Reader(sock)
         self._rx = threading.Lock()  # the read role
+        # poll(), not select(): no limit on descriptor numbers. One poller per side: the receiver
+        # thread may poll while a waiter does (waiters take turns: they hold the read role).
+        self._rx_poll, self._waiter_poll = select.poll(), select.poll()
+        for poller in (self._rx_poll, self._waiter_poll):
+            poller.register(sock, select.POLLIN)
         self._rest = threading.Condition()  # the receiver thread rests here
         self._read_at = -_REST  # when a waiter last held the read role
         self._wanted = 0  # threads blocked in Mailbox.wait for this peer: the receiver must not rest
@@ -160,7 +165,7 @@ class Link:
                 if (until is not None and now >= until) or stop():
                     return False
                 if now >= spin_end:  # sleep in slices: stop() may turn true without a byte arriving
-                    select.select([self._sock], [], [], _SLICE if until is None else min(_SLICE, until - now))
+                    self._waiter_poll.poll(1000 * (_SLICE if until is None else min(_SLICE, until - now)))
         except EOFError:
             raise _Ended(_ENDED) from None
         except (OSError, ValueError) as exc:  # ValueError: the socket was closed
@@ -207,7 +212,7 @@ class Link:
             while self._ended is None:
                 self._rest_while_waiters_read()
                 if not self._reader.has_header():
-                    select.select([self._sock], [], [])
+                    self._rx_poll.poll()
                 if not self._rx.acquire(blocking=False):  # a waiter is reading: rest until it is done
                     self._read_at = time.monotonic()
                     continue
@@ -220,10 +225,10 @@ class Link:
                     self._rx.release()
         except _Ended as end:
             self._end(end.why)
-        except (OSError, ValueError) as exc:  # select on a socket closed under it
+        except OSError as exc:
             self._end(f"connection error: {exc}")
         finally:
-            with self._rx:  # a waiter may be blocked in select on it: close only once it is out
+            with self._rx:  # a waiter may be blocked in poll on it: close only once it is out
                 self._sock.close()
             if self._linger is not None:
                 self._linger.cancel()
