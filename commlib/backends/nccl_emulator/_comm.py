@@ -75,6 +75,13 @@ class CommCore:
         with link.wanted():
             self.mailbox.wait(peer, key, deadline)
 
+    def want(self, peers: set[int], delta: int) -> None:
+        """Keep the receiver threads of ``peers`` reading (+1), or no longer (-1), for an operation."""
+        for peer in peers:
+            link = self.links.get(peer)
+            if link is not None:
+                link.want(delta)
+
     def pump(self, peer: int, stop: Callable[[], bool], until: float | None) -> bool:
         """Read ``peer``'s messages in this thread until ``stop()`` or ``until``; False if another thread reads them."""
         link = self.links.get(peer)

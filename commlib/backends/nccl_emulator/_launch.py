@@ -137,6 +137,7 @@ class _InPlace:
         self._posting = True
         self._told = False
         self._peer: int | None = None  # the one peer all replies come from, if there is one
+        self._wanted: set[int] = set()  # else the peers whose receiver threads must read for it
 
     @classmethod
     def start(cls, ops: list[Op], stream: Stream, timeout: float) -> bool:
@@ -161,7 +162,11 @@ class _InPlace:
             unit._posting = False
         slots = [slot for op in ops for slot in op.awaited()]
         peers = {peer for peer, _ in slots}
-        unit._peer = peers.pop() if len(peers) == 1 else None
+        if len(peers) == 1:
+            unit._peer = peers.pop()
+        else:  # a waiting host reads one link only: the receiver threads read the others at once
+            unit._wanted = peers
+            comm.want(peers, 1)
         comm.mailbox.watch(unit, slots)
         return True
 
@@ -206,6 +211,8 @@ class _InPlace:
             self.comm.fail(NcclError(REMOTE_ERROR, "timed out sending: a peer does not read (stopped?)"))
 
     def _end(self) -> None:
+        if self._wanted:
+            self.comm.want(self._wanted, -1)
         for _ in self.ops:  # one end() per begin()
             self.comm.end()
         self.stream.finish_in_place()

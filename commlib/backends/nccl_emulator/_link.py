@@ -137,6 +137,9 @@ class Link:
                 if not self._reader.has_header() and not self._await_data(stop, until):
                     break
                 self._handle_frame()
+            # Never leave a whole header in the buffer: the receiver thread waits for the socket, not for it.
+            while self._reader.has_header() and self._ended is None:
+                self._handle_frame()
         except _Ended as end:
             self._end(end.why)
         finally:
@@ -144,17 +147,21 @@ class Link:
             self._rx.release()
         return True
 
+    def want(self, delta: int) -> None:
+        """Count a thread (+1) or operation that needs the receiver thread reading, or one that no longer does (-1)."""
+        with self._rest:
+            self._wanted += delta
+            if delta > 0:
+                self._rest.notify()
+
     @contextlib.contextmanager
     def wanted(self) -> Iterator[None]:
         """Keep the receiver thread reading while the caller blocks for a message from this peer."""
-        with self._rest:
-            self._wanted += 1
-            self._rest.notify()
+        self.want(1)
         try:
             yield
         finally:
-            with self._rest:
-                self._wanted -= 1
+            self.want(-1)
 
     def _await_data(self, stop: Callable[[], bool], until: float | None) -> bool:
         """Wait until the socket has data (polling briefly, then sleeping); False at ``until`` or ``stop()``."""
@@ -210,9 +217,10 @@ class Link:
     def _receive_loop(self) -> None:
         try:
             while self._ended is None:
-                self._rest_while_waiters_read()
-                if not self._reader.has_header():
-                    self._rx_poll.poll()
+                if not self._reader.has_header():  # frames already buffered are delivered at once
+                    self._rest_while_waiters_read()
+                    if not self._reader.has_header():
+                        self._rx_poll.poll()
                 if not self._rx.acquire(blocking=False):  # a waiter is reading: rest until it is done
                     self._read_at = time.monotonic()
                     continue
