@@ -455,6 +455,55 @@ def test_streams_events_and_the_null_stream(n: int) -> None:
     assert run(streams_job, n, timeout=60) == [True] * n
 
 
+def _mixed_op(comm, rng, me: int, n: int, stream) -> tuple:
+    """Issue one random collective on ``stream``; return (buffer, expected contents, input to keep alive)."""
+    count = int(rng.choice([1, 3, 1000, 5000, 100_000]))  # up to 16 KiB runs in place, larger on the worker
+    kind, root = int(rng.integers(3)), int(rng.integers(n))
+    if kind == 0:
+        x = np.full(count, me + 1, np.int32)
+        comm.allReduce(ptr(x), ptr(x), count, I32, SUM, stream.ptr)
+        return x, np.full(count, n * (n + 1) // 2, np.int32), x
+    if kind == 1:
+        x = np.full(count, me, np.int32)
+        comm.broadcast(ptr(x), ptr(x), count, I32, root, stream.ptr)
+        return x, np.full(count, root, np.int32), x
+    out, mine = np.zeros(n * count, np.int32), np.full(count, me, np.int32)
+    comm.allGather(ptr(mine), ptr(out), count, I32, stream.ptr)
+    return out, np.repeat(np.arange(n, dtype=np.int32), count), mine  # mine must outlive the operation
+
+
+def mixed_traffic_job(rounds: int) -> int:
+    comm, me, n = _world()
+    rng = np.random.default_rng(7)  # the same sequence on every rank
+    streams = [nccl.cuda.Stream(), nccl.cuda.Stream()]
+    pending, checked = [], 0
+    for _ in range(rounds):
+        stream = streams[int(rng.integers(2))]
+        issued = _mixed_op(comm, rng, me, n, stream)
+        pending.append((stream.record(), *issued))
+        if rng.integers(3) == 0:  # wait now and then, for everything issued so far, in a random order
+            for k in rng.permutation(len(pending)):
+                event, buf, want, _ = pending[k]
+                event.synchronize()
+                np.testing.assert_array_equal(buf, want)
+                checked += 1
+            pending = []
+    for event, buf, want, _ in pending:
+        event.synchronize()
+        np.testing.assert_array_equal(buf, want)
+        checked += 1
+    comm.check_async_error()
+    comm.destroy()
+    return checked
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3])
+def test_mixed_traffic_on_two_streams(n: int) -> None:
+    """Small operations (read by their waiter) and large ones (on the worker) interleaved: none is lost."""
+    assert run(mixed_traffic_job, n, 300, timeout=100) == [300] * n
+
+
 def split_job() -> list:
     comm, me, n = _world()
     sub = comm.commSplit(me % 2, -me)  # even / odd, in reverse rank order
