@@ -23,7 +23,7 @@ from ._errors import INVALID_ARGUMENT, INVALID_USAGE, NcclError
 from ._launch import execute
 from ._link import Link
 from ._mailbox import Key, Mailbox
-from ._ops import AllGather
+from ._ops import SCRATCH_MIN, AllGather
 from ._wire import connect_mesh, open_listener
 
 __all__ = ["CommCore", "split"]
@@ -31,7 +31,7 @@ __all__ = ["CommCore", "split"]
 _OPEN, _DESTROYED, _ABORTED = "open", "destroyed", "aborted"
 _SPLIT_RECORD = struct.Struct("<qq4sH")  # color, key, IPv4, listener port
 # Large scratch buffers are reused: fresh pages cost a page fault each (about a third of a big all-reduce).
-_SCRATCH_MIN = 1 << 16
+_SCRATCH_MIN = SCRATCH_MIN
 _SCRATCH_CAP = 256 << 20  # bytes kept per communicator at most
 
 

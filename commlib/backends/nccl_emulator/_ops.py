@@ -54,6 +54,8 @@ _ACCUMULATE = {np.dtype(np.float16): np.dtype(np.float32), np.dtype(ml_dtypes.bf
 # All-reduces up to this many bytes send everything to everybody (one round trip); larger ones
 # reduce-scatter then all-gather (each rank sends and reduces 1/n of the data per phase).
 _DIRECT_BYTES = 256 * 1024
+# Scratch buffers this large are kept for reuse (see CommCore.scratch); smaller ones are cheap to allocate.
+SCRATCH_MIN = 1 << 16
 # Operations whose buffers are all this small may run in place (see ``_launch``): their frames fit
 # an empty socket buffer, and completing them is cheap enough for a receiver thread.
 _EAGER_BYTES = 16 * 1024
@@ -187,7 +189,8 @@ class Op:
     def _temp(self, like: np.ndarray) -> np.ndarray:
         """A scratch array shaped and typed like ``like`` (1-D)."""
         raw = self.comm.scratch(like.nbytes)
-        self._scratch.append(raw)
+        if raw.nbytes >= SCRATCH_MIN:  # to be handed back by finish()
+            self._scratch.append(raw)
         return raw.view(like.dtype)
 
     def _recv(self, peer: int, key: Key, arr: np.ndarray) -> None:
