@@ -5,12 +5,13 @@ operations are only collected; the outermost ``groupEnd()`` launches them
 together as one unit: all are posted, then all completed (see ``_ops``). A unit
 normally runs on its stream's worker thread. A small unit on an idle stream
 runs in place instead: the caller posts it (its frames fit the socket buffers,
-so the sends do not block), and whichever thread fills its last receive (a
-receiver thread, or the caller when everything arrived early) completes it and
-advances the stream. That saves the hand-offs to and from the worker (each a
-futex wake plus a GIL transfer, tens of microseconds), which were most of a
-small collective's latency. Order, results, errors and deadlines are the same
-on both paths; the worker only guards the deadline of a unit run in place.
+so the sends do not block), and whichever thread fills its last receive
+completes it and advances the stream: usually the host waiting for it, which
+reads the reply itself (``drive``), else a link's receiver thread. That saves
+the hand-offs to and from the worker and the receiver thread (each a futex wake
+plus a GIL transfer, tens of microseconds), which were most of a small
+collective's latency. Order, results, errors and deadlines are the same on both
+paths; the worker only guards the deadline of a unit run in place.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class Link:
             poller.register(sock, select.POLLIN)
         self._rest = threading.Condition()  # the receiver thread rests here
         self._read_at = -_REST  # when a waiter last held the read role
-        self._wanted = 0  # threads blocked in Mailbox.wait for this peer: the receiver must not rest
+        self._wanted = 0  # threads blocked in Mailbox.wait on this peer, or units read by receivers: no rest
         self._ended: str | None = None  # how the connection ended, once it did
         self._linger: threading.Timer | None = None
         self._thread = threading.Thread(target=self._receive_loop, name=f"nccl-emulator-rx-{peer}", daemon=True)

@@ -6,8 +6,9 @@ never mix. A payload whose receive is already posted goes straight into the
 destination buffer (no copy); an early one is kept until its receive is posted.
 A posted receive is either waited for (``wait``, blocking) or watched
 (``watch``): then the thread that fills the last watched receive of an
-operation, usually a link's receiver thread, is the one that completes it, so
-a small operation needs no thread of its own (see ``_launch``).
+operation (the host waiting for it, or a link's receiver thread) is the one
+that completes it, so a small operation needs no thread of its own (see
+``_launch``).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class Mailbox:
                     raise NcclError(REMOTE_ERROR, f"timed out waiting for rank {peer} (message {key})")
                 self._sleepers += 1
                 try:
-                    self.cond.wait(remaining)
+                    self.cond.wait(min(remaining, threading.TIMEOUT_MAX))  # a huge timeout must not overflow
                 finally:
                     self._sleepers -= 1
             self._done.discard(slot)

@@ -9,11 +9,11 @@ has executed everything enqueued before the record.
 
 A task may also run "in place": started by the caller while the stream is idle
 and finished later by whichever thread completes it, with the worker only
-guarding its deadline (see ``_launch``). A query of pending work (``done``)
-first yields to the emulated device for up to a millisecond: the device's
-threads share the GIL with the host, and a host spinning on ``done`` would hold
-them off for a whole switch interval (5 ms) per hand-off, where a GPU runs on
-regardless.
+guarding its deadline (see ``_launch``). A thread that waits for such a task
+drives it (reads its replies itself), and a query of pending work (``done``)
+waits up to a millisecond before it answers no: the emulated device's threads
+share the GIL with the host, and a host spinning on ``done`` held them off for
+a whole switch interval (5 ms) per hand-off, where a GPU runs on regardless.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 __all__ = ["CUDARuntimeError", "Device", "Event", "Stream", "cuda", "get_current_stream", "resolve_stream"]
 
 _DEVICE_COUNT = 1  # one emulated device per process: device 0
-# How long a query of pending work waits for it (blocking, so the GIL goes to the device's threads);
+# How long a query of pending work waits for it (without the GIL, or driving it);
 # long enough to cover a small operation, short enough that a polling host never notices.
 _QUERY_YIELD = 0.001
 _RETRY = 0.001  # how soon a host waiting behind another thread that drives the task looks again
@@ -116,10 +116,6 @@ class _StreamCore:
         """The ticket of the last enqueued callable (0 if none): what an event recorded now waits for."""
         return self._enqueued  # one int read is atomic: no lock needed
 
-    def reached(self, ticket: int) -> bool:
-        """Whether every callable up to ``ticket`` has run (never blocks)."""
-        return self.completed >= ticket
-
     def wait_for(self, ticket: int, timeout: float | None = None) -> bool:
         """Block until every callable up to ``ticket`` has run (True), or ``timeout`` seconds passed (False).
 
@@ -188,7 +184,7 @@ class _StreamCore:
             wake = task.deadline if task is not None and not task.expiring else self._horizon
             remaining = wake - time.monotonic()
             self._armed = wake if remaining > 0 else math.inf
-            self._work.wait(remaining if remaining > 0 else None)
+            self._work.wait(min(remaining, threading.TIMEOUT_MAX) if remaining > 0 else None)
             self._armed = -math.inf  # awake: a new deadline needs no wake-up, it is looked at next
 
 
@@ -245,7 +241,7 @@ class Stream:
 
     @property
     def done(self) -> bool:
-        """Whether all work enqueued so far has run (if not, after yielding to it for up to 1 ms)."""
+        """Whether all work enqueued so far has run (if not, after waiting for it up to 1 ms)."""
         core = self._core
         return core is None or core.wait_for(core.ticket(), _QUERY_YIELD)
 
@@ -328,7 +324,7 @@ class Event:
     def done(self) -> bool:
         """Whether the recorded work has completed (True if never recorded, like cudaEventQuery).
 
-        Pending work is first given up to 1 ms to finish, waiting without the GIL (see the module docstring).
+        Pending work is first given up to 1 ms to finish (see the module docstring).
         """
         core = self._core
         return core is None or core.wait_for(self._ticket, _QUERY_YIELD)
