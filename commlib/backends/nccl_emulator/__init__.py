@@ -19,7 +19,9 @@ stream (0) run synchronously in the caller; other streams do not synchronise
 implicitly with the null stream (use events); a send never needs its matching
 receive to be posted (NCCL may deadlock where the emulator does not);
 float16/bfloat16 reductions accumulate in float32; ``initAll`` accepts any
-device ids; creating a communicator blocks at once, even inside a group.
+device ids; creating a communicator blocks at once, even inside a group;
+``Event.done`` and ``Stream.done`` may wait up to 1 ms for pending work before
+they answer False (the emulated device needs the host's GIL to make progress).
 """
 
 from __future__ import annotations
