@@ -189,6 +189,51 @@ def test_init_all_in_one_process_with_groups() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_every_connection_sends_small_frames_at_once() -> None:
+    """TCP_NODELAY on dialled and accepted sockets: else Nagle holds a frame until the last one is acknowledged."""
+    comms = nccl.NcclCommunicator.initAll(3)
+    try:
+        for comm in comms:
+            socks = [link._sock for link in comm._core.links.values()]
+            assert len(socks) == 2
+            assert all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in socks), comm
+    finally:
+        for comm in comms:
+            comm.destroy()
+
+
+def _spin(comm, calls: int) -> None:
+    """Small all-reduces on a stream, each waited for by a host loop that never blocks."""
+    s, x = nccl.cuda.Stream(), np.ones(2, np.float32)
+    for _ in range(calls):
+        comm.allReduce(ptr(x), ptr(x), 2, F32, MAX, s.ptr)
+        event = s.record()
+        while not event.done:
+            pass
+
+
+@pytest.mark.timeout(120)
+def test_a_host_spinning_on_done_does_not_starve_the_emulated_device() -> None:
+    """The emulator's threads share the GIL with the host; a GPU runs on however the host polls."""
+    comms = nccl.NcclCommunicator.initAll(2)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # a thread that never blocks keeps the GIL from the others this long
+    try:
+        start = time.monotonic()
+        peer = threading.Thread(target=_spin, args=(comms[1], 20))
+        peer.start()
+        _spin(comms[0], 20)
+        peer.join(60)
+        elapsed = time.monotonic() - start
+    finally:
+        sys.setswitchinterval(interval)
+        for comm in comms:
+            comm.destroy()
+    # Each call needs the device's threads at least once: 20 calls would take >= 1 s if spinning starved them.
+    assert elapsed < 1.0 and not peer.is_alive()
+
+
+@pytest.mark.timeout(120)
 def test_invalid_calls_raise_at_once() -> None:
     comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
     x = np.zeros(4, np.float32)
@@ -410,6 +455,55 @@ def test_streams_events_and_the_null_stream(n: int) -> None:
     assert run(streams_job, n, timeout=60) == [True] * n
 
 
+def _mixed_op(comm, rng, me: int, n: int, stream) -> tuple:
+    """Issue one random collective on ``stream``; return (buffer, expected contents, input to keep alive)."""
+    count = int(rng.choice([1, 3, 1000, 5000, 100_000]))  # up to 16 KiB runs in place, larger on the worker
+    kind, root = int(rng.integers(3)), int(rng.integers(n))
+    if kind == 0:
+        x = np.full(count, me + 1, np.int32)
+        comm.allReduce(ptr(x), ptr(x), count, I32, SUM, stream.ptr)
+        return x, np.full(count, n * (n + 1) // 2, np.int32), x
+    if kind == 1:
+        x = np.full(count, me, np.int32)
+        comm.broadcast(ptr(x), ptr(x), count, I32, root, stream.ptr)
+        return x, np.full(count, root, np.int32), x
+    out, mine = np.zeros(n * count, np.int32), np.full(count, me, np.int32)
+    comm.allGather(ptr(mine), ptr(out), count, I32, stream.ptr)
+    return out, np.repeat(np.arange(n, dtype=np.int32), count), mine  # mine must outlive the operation
+
+
+def mixed_traffic_job(rounds: int) -> int:
+    comm, me, n = _world()
+    rng = np.random.default_rng(7)  # the same sequence on every rank
+    streams = [nccl.cuda.Stream(), nccl.cuda.Stream()]
+    pending, checked = [], 0
+    for _ in range(rounds):
+        stream = streams[int(rng.integers(2))]
+        issued = _mixed_op(comm, rng, me, n, stream)
+        pending.append((stream.record(), *issued))
+        if rng.integers(3) == 0:  # wait now and then, for everything issued so far, in a random order
+            for k in rng.permutation(len(pending)):
+                event, buf, want, _ = pending[k]
+                event.synchronize()
+                np.testing.assert_array_equal(buf, want)
+                checked += 1
+            pending = []
+    for event, buf, want, _ in pending:
+        event.synchronize()
+        np.testing.assert_array_equal(buf, want)
+        checked += 1
+    comm.check_async_error()
+    comm.destroy()
+    return checked
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3])
+def test_mixed_traffic_on_two_streams(n: int) -> None:
+    """Small operations (read by their waiter) and large ones (on the worker) interleaved: none is lost."""
+    assert run(mixed_traffic_job, n, 300, timeout=100) == [300] * n
+
+
 def split_job() -> list:
     comm, me, n = _world()
     sub = comm.commSplit(me % 2, -me)  # even / odd, in reverse rank order
@@ -476,24 +570,28 @@ def test_a_peer_that_never_arrives_times_out() -> None:
         assert 0.9 < elapsed < 5 and fast < 0.5
 
 
-def crashed_peer_job() -> list:
+def crashed_peer_job(on_stream: bool) -> list:
     comm, me, _ = _world()
     if me == 1:
         comm.abort()  # closes its sockets without a goodbye, like a crashed process
         time.sleep(2)
         return []
     x = np.ones(4)
+    s = nccl.cuda.Stream() if on_stream else nccl.cuda.Stream.null
     start = time.monotonic()
     try:
-        comm.allReduce(ptr(x), ptr(x), 4, F64, SUM, 0)
+        comm.allReduce(ptr(x), ptr(x), 4, F64, SUM, s.ptr)
+        s.synchronize()
+        comm.check_async_error()
     except nccl.NcclError as exc:
         return [exc.status, time.monotonic() - start]
     return ["no error"]
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_that_drops_out_fails_the_operation_fast() -> None:
-    results = run(crashed_peer_job, 3, timeout=60, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "60"})
+@pytest.mark.parametrize("on_stream", [False, True], ids=["null stream", "stream"])
+def test_a_peer_that_drops_out_fails_the_operation_fast(on_stream: bool) -> None:
+    results = run(crashed_peer_job, 3, on_stream, timeout=60, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "60"})
     for rank in (0, 2):
         status, elapsed = results[rank]
         assert status == REMOTE_ERROR and elapsed < 5

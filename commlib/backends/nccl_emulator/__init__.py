@@ -19,7 +19,9 @@ stream (0) run synchronously in the caller; other streams do not synchronise
 implicitly with the null stream (use events); a send never needs its matching
 receive to be posted (NCCL may deadlock where the emulator does not);
 float16/bfloat16 reductions accumulate in float32; ``initAll`` accepts any
-device ids; creating a communicator blocks at once, even inside a group.
+device ids; creating a communicator blocks at once, even inside a group;
+``Event.done`` and ``Stream.done`` may wait up to 1 ms for pending work before
+they answer False (the emulated device needs the host's GIL to make progress).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import time
 
 import numpy as np
 
-from ._comm import CommCore, group_end, group_start, split, submit
+from ._comm import CommCore, split
 from ._errors import INVALID_ARGUMENT, NcclError, check_status, op_timeout
+from ._launch import group_end, group_start, submit
 from ._ops import (
     DTYPES,
     REDOPS,
@@ -140,6 +143,8 @@ class NcclConfig:
 
 def _index(value: object, name: str) -> int:
     """An integer argument, converted like Cython does (TypeError for non-integers)."""
+    if type(value) is int:  # the common case, without a call
+        return value
     try:
         return operator.index(value)
     except TypeError:

@@ -1,36 +1,37 @@
-"""The communicator core of the NCCL emulator, and how operations are launched on streams and in groups.
+"""The communicator core of the NCCL emulator, and ncclCommSplit.
 
-Operations get their sequence numbers when they are called (so they match
-across ranks in call order) and run later on their stream's thread. Between
-``groupStart()`` and ``groupEnd()`` (nesting counted per thread) they are only
-collected; the outermost ``groupEnd()`` launches them together: all are posted,
-then all completed (see ``_emulator_ops``). A failing operation breaks its
-communicator like an NCCL async error: the error is stored, pending waits fail,
-the links are cut so that the peers fail fast too, and later calls raise.
+Operations get their sequence numbers from the core when they are called (so
+they match across ranks in call order) and run later (see ``_launch``). A
+failing operation breaks its communicator like an NCCL async error: the error
+is stored, pending waits fail, the links are cut so that the peers fail fast
+too, and later calls raise.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from ._errors import INTERNAL_ERROR, INVALID_ARGUMENT, INVALID_USAGE, NcclError
-from ._link import Key, Link, Mailbox
-from ._ops import AllGather, Op
-from ._streams import Stream
+from ._errors import INVALID_ARGUMENT, INVALID_USAGE, NcclError
+from ._launch import execute
+from ._link import Link
+from ._mailbox import Key, Mailbox
+from ._ops import SCRATCH_MIN, AllGather
 from ._wire import connect_mesh, open_listener
 
-__all__ = ["CommCore", "group_end", "group_start", "submit"]
+__all__ = ["CommCore", "split"]
 
 _OPEN, _DESTROYED, _ABORTED = "open", "destroyed", "aborted"
 _SPLIT_RECORD = struct.Struct("<qq4sH")  # color, key, IPv4, listener port
 # Large scratch buffers are reused: fresh pages cost a page fault each (about a third of a big all-reduce).
-_SCRATCH_MIN = 1 << 16
+_SCRATCH_MIN = SCRATCH_MIN
 _SCRATCH_CAP = 256 << 20  # bytes kept per communicator at most
 
 
@@ -41,8 +42,9 @@ class CommCore:
         self.rank, self.size, self.comm_id, self.ip = rank, size, comm_id, ip
         self.mailbox = Mailbox()
         self.links = {peer: Link(sock, peer, comm_id, self.mailbox) for peer, sock in socks.items()}
-        self._lock = threading.Condition()
-        self._coll_seq = 0
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # destroy() waits here for the operations in flight
+        self._coll_seq = itertools.count(1)  # next() is atomic: no lock on the hot path
         self._send_seq = [0] * size
         self._recv_seq = [0] * size
         self._inflight = 0
@@ -65,15 +67,38 @@ class CommCore:
         self.mailbox.post(peer, key, view)
 
     def wait(self, peer: int, key: Key, deadline: float) -> None:
-        """Block until a posted message arrived."""
-        self.mailbox.wait(peer, key, deadline)
+        """Block until a posted message arrived (the link's receiver thread reads it meanwhile)."""
+        link = self.links.get(peer)
+        if link is None:  # from oneself
+            self.mailbox.wait(peer, key, deadline)
+            return
+        with link.wanted():
+            self.mailbox.wait(peer, key, deadline)
+
+    def want(self, peers: set[int], delta: int) -> None:
+        """Keep the receiver threads of ``peers`` reading (+1), or no longer (-1), for an operation."""
+        for peer in peers:
+            link = self.links.get(peer)
+            if link is not None:
+                link.want(delta)
+
+    def pump(self, peer: int, stop: Callable[[], bool], until: float | None) -> bool:
+        """Read ``peer``'s messages in this thread until ``stop()`` or ``until``; False if another thread reads them."""
+        link = self.links.get(peer)
+        return link is not None and link.pump(stop, until)
 
     def forget(self, peer: int, key: Key) -> None:
         """Withdraw a posted receive."""
         self.mailbox.forget(peer, key)
 
+    def can_send_now(self) -> bool:
+        """Whether small frames to every peer would go out at once (what starting an operation in place needs)."""
+        return all(link.can_send_now() for link in self.links.values())
+
     def scratch(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer of ``nbytes`` for received data (reused when large)."""
+        if nbytes < _SCRATCH_MIN:
+            return np.empty(nbytes, np.uint8)
         with self._lock:
             free = self._scratch.get(nbytes)
             if free:
@@ -83,10 +108,13 @@ class CommCore:
 
     def recycle(self, buffers: list[np.ndarray]) -> None:
         """Give scratch buffers back after a successful operation (a failed one may still be written to)."""
+        buffers = [buf for buf in buffers if buf.nbytes >= _SCRATCH_MIN]
+        if not buffers:
+            return
         with self._lock:
             for buf in buffers:
-                if buf.nbytes < _SCRATCH_MIN or self._scratch_bytes + buf.nbytes > _SCRATCH_CAP:
-                    continue  # small ones are cheap to allocate; past the cap, let them go
+                if self._scratch_bytes + buf.nbytes > _SCRATCH_CAP:
+                    continue  # past the cap, let them go (small ones were: they are cheap to allocate)
                 free = self._scratch.setdefault(buf.nbytes, [])
                 if len(free) < 4:
                     free.append(buf)
@@ -109,9 +137,7 @@ class CommCore:
 
     def next_collective(self) -> int:
         """The sequence number of the next collective (call order)."""
-        with self._lock:
-            self._coll_seq += 1
-            return self._coll_seq
+        return next(self._coll_seq)
 
     def next_p2p(self, peer: int, sending: bool) -> int:
         """The sequence number of the next send to / receive from ``peer``."""
@@ -131,7 +157,8 @@ class CommCore:
         with self._lock:
             self._inflight -= 1
             idle = self._inflight == 0
-            self._lock.notify_all()
+            if idle and self.state != _OPEN:  # destroy() may be waiting for this
+                self._idle.notify_all()
         if idle and self._close_when_idle:
             self._say_goodbye()
 
@@ -151,7 +178,7 @@ class CommCore:
             if self.state != _OPEN:
                 return
             self.state = _DESTROYED
-            self._lock.wait_for(lambda: self._inflight == 0, timeout)
+            self._idle.wait_for(lambda: self._inflight == 0, timeout)
         self._say_goodbye()
 
     def release(self) -> None:
@@ -180,99 +207,6 @@ class CommCore:
         self.mailbox.fail(NcclError(INVALID_ARGUMENT, "the communicator was destroyed"))
         for link in self.links.values():
             link.goodbye()
-
-
-# --- launching -------------------------------------------------------------------------------
-
-_group = threading.local()
-
-
-def _group_ops() -> list[tuple[Op, Stream]]:
-    if not hasattr(_group, "ops"):
-        _group.depth, _group.ops = 0, []
-    return _group.ops
-
-
-def group_start() -> None:
-    """Start collecting operations (nesting is counted per thread)."""
-    _group_ops()
-    _group.depth += 1
-
-
-def group_end(timeout: float) -> None:
-    """Close one group level; the outermost launches everything collected."""
-    ops = _group_ops()
-    if _group.depth == 0:
-        raise NcclError(INVALID_USAGE, "groupEnd() without a matching groupStart()")
-    _group.depth -= 1
-    if _group.depth == 0 and ops:
-        _group.ops = []
-        _launch(ops, timeout)
-
-
-def submit(op: Op, stream: Stream, timeout: float) -> None:
-    """Launch ``op`` on ``stream`` now, or at the outermost groupEnd() if a group is open."""
-    ops = _group_ops()
-    if _group.depth > 0:
-        ops.append((op, stream))
-    else:
-        _launch([(op, stream)], timeout)
-
-
-def _launch(items: list[tuple[Op, Stream]], timeout: float) -> None:
-    """Run the operations as one unit on the first one's stream; the other streams join it before and after."""
-    streams = list(dict.fromkeys(stream for _, stream in items))
-    lead, others = streams[0], streams[1:]
-    ops = [op for op, _ in items]
-    for op in ops:
-        op.comm.begin()
-    for stream in others:
-        lead.wait_event(stream.record())
-    if lead.ptr == 0:
-        error = execute(ops, timeout)
-        if error is not None:
-            raise error
-    else:
-        lead.enqueue(lambda: execute(ops, timeout))
-    done = lead.record()
-    for stream in others:
-        stream.wait_event(done)
-
-
-def execute(ops: list[Op], timeout: float) -> NcclError | None:
-    """Post every operation, then complete them; return the first error (each is stored on its communicator)."""
-    deadline = time.monotonic() + timeout
-    errors: list[NcclError] = []
-    try:
-        posted = [op for op in ops if _guarded(op, op.post, errors)]
-        helpers = []
-        for op in posted:
-            step = lambda op=op: _guarded(op, lambda: op.finish(deadline), errors)  # noqa: E731
-            if op.multi_phase and len(ops) > 1:  # it sends while completing: must not wait behind the others
-                helpers.append(threading.Thread(target=step, name="nccl-emulator-group", daemon=True))
-                helpers[-1].start()
-            else:
-                step()
-        for helper in helpers:
-            helper.join()
-    finally:
-        for op in ops:
-            op.comm.end()
-    return errors[0] if errors else None
-
-
-def _guarded(op: Op, step, errors: list[NcclError]) -> bool:
-    """Run one step of ``op``; on failure break its communicator and record the error."""
-    try:
-        op.comm.check_runnable()
-        step()
-        return True
-    except Exception as exc:
-        error = exc if isinstance(exc, NcclError) else NcclError(INTERNAL_ERROR, f"emulator bug: {exc!r}")
-        op.abandon()
-        op.comm.fail(error)
-        errors.append(error)
-        return False
 
 
 # --- commSplit -------------------------------------------------------------------------------

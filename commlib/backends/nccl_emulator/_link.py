@@ -1,154 +1,63 @@
-"""Framed messages between two ranks of one emulated communicator, and the mailbox they land in.
+"""Framed messages between two ranks of one emulated communicator over one TCP connection.
 
 Every message is a 32-byte header ``(communicator id, kind, tag, sequence,
-length)`` and a payload. One receiver thread per connection reads frames as
-they come: a payload whose receive is already posted goes straight into the
-destination buffer (no copy); an early one is kept until it is posted. Keys are
-``(kind, sequence, tag)`` per peer, so operations of concurrent streams (or
-several phases of one collective) never mix. Sends never wait for the peer's
-operation, because the peer's receiver thread always drains the socket: that is
-what makes any send/recv order inside a group deadlock-free.
+length)`` and a payload, handed to the communicator's mailbox as it arrives.
+Sends never wait for the peer's operation, because the peer always drains the
+socket: that is what makes any send/recv order inside a group deadlock-free.
+
+Who reads is a role (a lock), taken one frame at a time by the link's receiver
+thread, or for as long as it likes by a thread that waits for an operation
+(``pump``). A host waiting for a small operation reads its reply itself: a
+hand-off from the receiver thread would cost a wake-up and a GIL transfer in
+each process, which on a small machine was most of the latency. While such
+waiters read, the receiver thread rests, so that it is not woken by their
+frames; it drains the socket again ``_REST`` after the last of them, or at
+once when a thread blocks in ``Mailbox.wait`` for this peer (``wanted``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ._errors import INVALID_USAGE, REMOTE_ERROR, NcclError
+try:
+    from fcntl import ioctl
+    from termios import TIOCOUTQ  # == SIOCOUTQ on Linux: bytes not yet acknowledged by the peer
+except ImportError:  # no such query here: every operation goes through its stream's worker
+    ioctl = TIOCOUTQ = None
 
-__all__ = ["BYE", "COLL", "P2P", "Key", "Link", "Mailbox"]
+from ._errors import REMOTE_ERROR, NcclError
+from ._mailbox import Key, Mailbox
+from ._reader import HEADER, Reader
+
+__all__ = ["BYE", "COLL", "P2P", "Link"]
 
 # Message kinds.
 COLL, P2P, BYE = 1, 2, 3
-_HEADER = struct.Struct("<QB3xIQQ")  # communicator id, kind, tag, sequence, payload length: 32 bytes
 _SMALL = 1 << 16  # payloads up to this are sent with their header in one write
 _LINGER = 10.0  # seconds a destroyed link waits for the peer's goodbye before cutting it
+_REST = 0.01  # seconds the receiver thread leaves the socket to waiters after the last one read
+_SLICE = 0.05  # longest sleep of a waiting reader between looks at whether it should stop
+_ENDED = "closed the connection without destroying its communicator (exited or aborted?)"
 
-Key = tuple[int, int, int]  # (kind, sequence, tag)
 
+class _Ended(Exception):
+    """The connection is over (EOF, an error, or a protocol violation); ``why`` says how, for the mailbox."""
 
-class Mailbox:
-    """Posted receives, early arrivals and completions of one communicator, guarded by one condition."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self._posted: dict[tuple[int, Key], memoryview] = {}
-        self._early: dict[tuple[int, Key], np.ndarray | bytearray] = {}
-        self._done: set[tuple[int, Key]] = set()
-        self._gone: dict[int, str] = {}  # peer -> why it can no longer send
-        self.error: NcclError | None = None  # set once: the communicator is broken or closed
-
-    def post(self, peer: int, key: Key, view: memoryview) -> None:
-        """Announce that the message ``key`` from ``peer`` goes into ``view`` (a flat byte view)."""
-        slot = (peer, key)
-        with self.cond:
-            early = self._early.pop(slot, None)
-            if early is None:
-                self._posted[slot] = view
-                return
-            self._check_size(peer, key, len(view), len(early))
-            view[:] = early
-            self._done.add(slot)
-
-    def deliver_local(self, peer: int, key: Key, data: memoryview) -> None:
-        """A message to oneself (send/recv with peer == rank): no socket involved."""
-        target = self.take_posted(peer, key, len(data))
-        if target is None:
-            self.store_early(peer, key, bytearray(data))
-        else:
-            target[:] = data
-            self.complete(peer, key)
-
-    def take_posted(self, peer: int, key: Key, nbytes: int) -> memoryview | None:
-        """The posted destination of an arriving message, or None if it is early."""
-        with self.cond:
-            view = self._posted.pop((peer, key), None)
-        if view is not None:
-            self._check_size(peer, key, len(view), nbytes)
-        return view
-
-    def store_early(self, peer: int, key: Key, data: np.ndarray | bytearray) -> None:
-        """Keep an early message; its receive may have been posted while it was being read."""
-        slot = (peer, key)
-        with self.cond:
-            view = self._posted.pop(slot, None)
-            if view is None:
-                self._early[slot] = data
-                return
-            self._check_size(peer, key, len(view), len(data))
-            view[:] = data
-            self._done.add(slot)
-            self.cond.notify_all()
-
-    def complete(self, peer: int, key: Key) -> None:
-        """Mark a posted receive as filled."""
-        with self.cond:
-            self._done.add((peer, key))
-            self.cond.notify_all()
-
-    def wait(self, peer: int, key: Key, deadline: float) -> None:
-        """Block until the posted receive ``key`` from ``peer`` is filled; NcclError on failure or timeout."""
-        slot = (peer, key)
-        with self.cond:
-            while slot not in self._done:
-                if self.error is not None:
-                    raise self.failure()
-                if peer in self._gone:
-                    raise NcclError(REMOTE_ERROR, f"rank {peer} {self._gone[peer]}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise NcclError(REMOTE_ERROR, f"timed out waiting for rank {peer} (message {key})")
-                self.cond.wait(remaining)
-            self._done.discard(slot)
-
-    def forget(self, peer: int, key: Key) -> None:
-        """Drop a posted receive that will not be waited for (its operation failed)."""
-        with self.cond:
-            self._posted.pop((peer, key), None)
-
-    def peer_gone(self, peer: int, why: str) -> None:
-        """Record that ``peer`` will send nothing more; its pending receives fail when waited for."""
-        with self.cond:
-            self._gone.setdefault(peer, why)
-            self.cond.notify_all()
-
-    def gone(self, peer: int) -> str | None:
-        """Why ``peer`` can no longer send, or None."""
-        with self.cond:
-            return self._gone.get(peer)
-
-    def failure(self) -> NcclError:
-        """A fresh copy of the error that broke the mailbox (one instance must not be raised in many threads)."""
-        error = self.error
-        assert error is not None
-        return NcclError(error.status, error.detail)
-
-    def fail(self, error: NcclError) -> None:
-        """Break the mailbox: every wait raises ``error`` from now on (the first error wins)."""
-        with self.cond:
-            if self.error is None:
-                self.error = error
-            self.cond.notify_all()
-
-    def _check_size(self, peer: int, key: Key, expected: int, got: int) -> None:
-        if expected != got:
-            error = NcclError(
-                INVALID_USAGE,
-                f"rank {peer} sent {got} bytes where {expected} were expected (message {key}): "
-                "the ranks called mismatched operations, counts or datatypes",
-            )
-            self.fail(error)
-            raise error
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 class Link:
-    """The TCP connection to one peer: framed sends under a lock, and a receiver thread feeding the mailbox."""
+    """The TCP connection to one peer: framed sends under a lock, reads under the read role."""
 
     def __init__(self, sock: socket.socket, peer: int, comm_id: int, mailbox: Mailbox) -> None:
         self.peer = peer
@@ -156,17 +65,34 @@ class Link:
         self._comm_id = comm_id
         self._mailbox = mailbox
         self._send_lock = threading.Lock()
+        # A queue this long means the peer is not reading (stopped, hung): a further frame might block.
+        self._backlog = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4
+        self._queued = 0  # bounds the bytes the peer has not acknowledged: last measured + sent since
+        self._reader = Reader(sock)
+        self._rx = threading.Lock()  # the read role
+        # poll(), not select(): no limit on descriptor numbers. One poller per side: the receiver
+        # thread may poll while a waiter does (waiters take turns: they hold the read role).
+        self._rx_poll, self._waiter_poll = select.poll(), select.poll()
+        for poller in (self._rx_poll, self._waiter_poll):
+            poller.register(sock, select.POLLIN)
+        self._rest = threading.Condition()  # the receiver thread rests here
+        self._read_at = -_REST  # when a waiter last held the read role
+        self._wanted = 0  # threads blocked in Mailbox.wait on this peer, or units read by receivers: no rest
+        self._ended: str | None = None  # how the connection ended, once it did
         self._linger: threading.Timer | None = None
         self._thread = threading.Thread(target=self._receive_loop, name=f"nccl-emulator-rx-{peer}", daemon=True)
         self._thread.start()
 
+    # --- sending ---
     def send(self, key: Key, data: memoryview) -> None:
         """Send one message (blocks only until the kernel took it); NcclError if the peer is unreachable."""
         kind, seq, tag = key
-        header = _HEADER.pack(self._comm_id, kind, tag, seq, len(data))
+        nbytes = len(data)
+        header = HEADER.pack(self._comm_id, kind, tag, seq, nbytes)
         try:
             with self._send_lock:
-                if len(data) <= _SMALL:
+                self._queued += HEADER.size + nbytes
+                if nbytes <= _SMALL:
                     self._sock.sendall(header + data)
                 else:
                     self._sock.sendall(header)
@@ -177,11 +103,160 @@ class Link:
             why = self._mailbox.gone(self.peer) or f"is unreachable ({exc})"
             raise NcclError(REMOTE_ERROR, f"sending to rank {self.peer}: rank {self.peer} {why}") from exc
 
+    def can_send_now(self) -> bool:
+        """Whether a small frame would go out at once: no send in progress, and the peer keeps up.
+
+        The kernel's queue only shrinks as the peer reads, so the kernel is asked (a syscall)
+        only once the bytes sent since it was last asked could have made the queue long.
+        """
+        if self._send_lock.locked():
+            return False
+        if self._queued < self._backlog:
+            return True
+        if ioctl is None:
+            return False
+        with self._send_lock:
+            try:
+                self._queued = struct.unpack("i", ioctl(self._sock.fileno(), TIOCOUTQ, b"\0\0\0\0"))[0]
+            except OSError:  # closed, or a platform that does not answer: take the worker's path
+                return False
+        return self._queued < self._backlog
+
+    # --- reading ---
+    def pump(self, stop: Callable[[], bool], until: float | None) -> bool:
+        """Read and deliver frames in this thread until ``stop()`` or ``until`` (monotonic).
+
+        Returns False at once if another thread holds the read role (it delivers the frames).
+        """
+        if not self._rx.acquire(blocking=False):
+            return False
+        try:
+            self._read_at = time.monotonic()
+            while not stop() and self._ended is None:
+                if not self._reader.has_header() and not self._await_data(stop, until):
+                    break
+                self._handle_frame()
+            # Never leave a whole header in the buffer: the receiver thread waits for the socket, not for it.
+            while self._reader.has_header() and self._ended is None:
+                self._handle_frame()
+        except _Ended as end:
+            self._end(end.why)
+        finally:
+            self._read_at = time.monotonic()
+            self._rx.release()
+        return True
+
+    def want(self, delta: int) -> None:
+        """Count a thread (+1) or operation that needs the receiver thread reading, or one that no longer does (-1)."""
+        with self._rest:
+            self._wanted += delta
+            if delta > 0:
+                self._rest.notify()
+
+    @contextlib.contextmanager
+    def wanted(self) -> Iterator[None]:
+        """Keep the receiver thread reading while the caller blocks for a message from this peer."""
+        self.want(1)
+        try:
+            yield
+        finally:
+            self.want(-1)
+
+    def _await_data(self, stop: Callable[[], bool], until: float | None) -> bool:
+        """Wait until the socket has data; False at ``until`` or ``stop()``.
+
+        It sleeps in poll() rather than spinning: a spinning thread holds the GIL, and measured
+        no faster here, since sending a frame wakes the peer on the sender's CPU anyway.
+        """
+        try:
+            while not self._reader.fill_nowait():
+                now = time.monotonic()
+                if (until is not None and now >= until) or stop():
+                    return False
+                # In slices: stop() may turn true without a byte arriving.
+                self._waiter_poll.poll(1000 * (_SLICE if until is None else min(_SLICE, until - now)))
+        except EOFError:
+            raise _Ended(_ENDED) from None
+        except (OSError, ValueError) as exc:  # ValueError: the socket was closed
+            raise _Ended(f"connection error: {exc}") from None
+        return True
+
+    def _handle_frame(self) -> None:
+        """Read one whole frame (read role held) and hand it to the mailbox; _Ended when the connection is over."""
+        try:
+            comm_id, kind, tag, seq, nbytes = self._reader.header()
+            if comm_id != self._comm_id:
+                raise _Ended(f"sent a frame of another communicator ({comm_id:#x}): protocol error")
+            if kind == BYE:
+                self._mailbox.peer_gone(self.peer, "destroyed its communicator")
+                self._answer_goodbye()
+                return
+            key = (kind, seq, tag)
+            target = self._mailbox.take_posted(self.peer, key, nbytes)
+            if target is not None:
+                self._reader.read_into(target)
+                self._mailbox.complete(self.peer, key)
+            else:
+                buf = np.empty(nbytes, np.uint8)  # unlike bytearray(n), not zero-filled first
+                self._reader.read_into(memoryview(buf))
+                self._mailbox.store_early(self.peer, key, buf)
+        except EOFError:
+            raise _Ended(_ENDED) from None
+        except OSError as exc:
+            raise _Ended(f"connection error: {exc}") from None
+        except NcclError:  # a size mismatch: the mailbox is failed already
+            raise _Ended(_ENDED) from None
+
+    def _end(self, why: str) -> None:
+        """The connection is over: tell the mailbox (first reason wins), and make the receiver thread close it."""
+        if self._ended is None:
+            self._ended = why
+        self._mailbox.peer_gone(self.peer, self._ended)
+        self.cut()  # after a protocol error the socket is still open: the peer must see it end
+        with self._rest:
+            self._rest.notify()
+
+    def _receive_loop(self) -> None:
+        try:
+            while self._ended is None:
+                if not self._reader.has_header():  # frames already buffered are delivered at once
+                    self._rest_while_waiters_read()
+                    if not self._reader.has_header():
+                        self._rx_poll.poll()
+                if not self._rx.acquire(blocking=False):  # a waiter is reading: rest until it is done
+                    self._read_at = time.monotonic()
+                    continue
+                try:  # a waiter may have taken the data meanwhile: never block in recv holding the role
+                    if self._reader.has_header() or self._reader.fill_nowait():
+                        self._handle_frame()
+                except EOFError:
+                    raise _Ended(_ENDED) from None
+                finally:
+                    self._rx.release()
+        except _Ended as end:
+            self._end(end.why)
+        except OSError as exc:
+            self._end(f"connection error: {exc}")
+        finally:
+            with self._rx:  # a waiter may be blocked in poll on it: close only once it is out
+                self._sock.close()
+            if self._linger is not None:
+                self._linger.cancel()
+
+    def _rest_while_waiters_read(self) -> None:
+        with self._rest:
+            while self._wanted == 0 and self._ended is None:
+                remaining = self._read_at + _REST - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._rest.wait(remaining)
+
+    # --- closing ---
     def goodbye(self) -> None:
         """Graceful close: tell the peer, stop writing, and let the receiver thread close after its goodbye."""
         try:
             with self._send_lock:
-                self._sock.sendall(_HEADER.pack(self._comm_id, BYE, 0, 0, 0))
+                self._sock.sendall(HEADER.pack(self._comm_id, BYE, 0, 0, 0))
                 self._sock.shutdown(socket.SHUT_WR)
         except OSError:
             self.cut()
@@ -191,57 +266,10 @@ class Link:
         self._linger.start()
 
     def cut(self) -> None:
-        """Abortive close: wakes the receiver thread and any sender at once; the receiver closes the socket."""
+        """Abortive close: wakes every reader and sender at once; the receiver thread closes the socket."""
         with contextlib.suppress(OSError):  # already shut down or closed
             self._sock.shutdown(socket.SHUT_RDWR)
-
-    def _receive_loop(self) -> None:
-        why = "closed the connection without destroying its communicator (exited or aborted?)"
-        try:
-            while True:
-                comm_id, kind, tag, seq, nbytes = _HEADER.unpack(self._read(_HEADER.size))
-                if comm_id != self._comm_id:
-                    why = f"sent a frame of another communicator ({comm_id:#x}): protocol error"
-                    break
-                if kind == BYE:
-                    self._mailbox.peer_gone(self.peer, "destroyed its communicator")
-                    self._answer_goodbye()
-                    continue
-                self._receive_payload((kind, seq, tag), nbytes)
-        except (OSError, EOFError) as exc:
-            if not isinstance(exc, EOFError):
-                why = f"connection error: {exc}"
-        except NcclError:
-            pass  # a size mismatch: the mailbox is failed already
-        finally:
-            self._mailbox.peer_gone(self.peer, why)
-            self._sock.close()
-            if self._linger is not None:
-                self._linger.cancel()
 
     def _answer_goodbye(self) -> None:
         with contextlib.suppress(OSError), self._send_lock:
             self._sock.shutdown(socket.SHUT_WR)
-
-    def _receive_payload(self, key: Key, nbytes: int) -> None:
-        target = self._mailbox.take_posted(self.peer, key, nbytes)
-        if target is not None:
-            self._read_into(target)
-            self._mailbox.complete(self.peer, key)
-        else:
-            buf = np.empty(nbytes, np.uint8)  # unlike bytearray(n), not zero-filled first
-            self._read_into(memoryview(buf))
-            self._mailbox.store_early(self.peer, key, buf)
-
-    def _read(self, n: int) -> bytes:
-        buf = bytearray(n)
-        self._read_into(memoryview(buf))
-        return bytes(buf)
-
-    def _read_into(self, view: memoryview) -> None:
-        got, n = 0, len(view)
-        while got < n:
-            k = self._sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError
-            got += k

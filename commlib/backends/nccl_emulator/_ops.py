@@ -17,7 +17,8 @@ from typing import Protocol
 import ml_dtypes
 import numpy as np
 
-from ._link import COLL, P2P, Key
+from ._link import COLL, P2P
+from ._mailbox import Key
 
 __all__ = [
     "DTYPES",
@@ -53,6 +54,11 @@ _ACCUMULATE = {np.dtype(np.float16): np.dtype(np.float32), np.dtype(ml_dtypes.bf
 # All-reduces up to this many bytes send everything to everybody (one round trip); larger ones
 # reduce-scatter then all-gather (each rank sends and reduces 1/n of the data per phase).
 _DIRECT_BYTES = 256 * 1024
+# Scratch buffers this large are kept for reuse (see CommCore.scratch); smaller ones are cheap to allocate.
+SCRATCH_MIN = 1 << 16
+# Operations whose buffers are all this small may run in place (see ``_launch``): their frames fit
+# an empty socket buffer, and completing them is cheap enough for a receiver thread.
+_EAGER_BYTES = 16 * 1024
 
 
 class Channel(Protocol):
@@ -71,10 +77,23 @@ class Channel(Protocol):
 
 def host_array(ptr: int, count: int, dtype: np.dtype) -> np.ndarray:
     """A numpy view of ``count`` elements of ``dtype`` at host address ``ptr`` (no copy)."""
-    nbytes = count * dtype.itemsize
-    if nbytes == 0:
-        return np.empty(0, dtype)
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)
+    key = (ptr, count, dtype)
+    view = _views.get(key)
+    if view is None:
+        nbytes = count * dtype.itemsize
+        if nbytes == 0:
+            return np.empty(0, dtype)
+        view = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)
+        if len(_views) >= _VIEWS_KEPT:
+            _views.clear()
+        _views[key] = view
+    return view
+
+
+# Recent views by (address, count, dtype): the same buffers come back call after call, and a view
+# owns nothing, so an old one is as good as a new one (it only names the memory; the caller vouches for it).
+_views: dict[tuple[int, int, np.dtype], np.ndarray] = {}
+_VIEWS_KEPT = 64
 
 
 def _bytes(arr: np.ndarray) -> memoryview:
@@ -97,7 +116,8 @@ def reduce_into(out: np.ndarray, parts: list[np.ndarray], op: int, nranks: int) 
     """out = parts[0] op parts[1] op ... in that order (AVG: the sum divided by ``nranks``)."""
     ufunc = REDOPS[op]
     acc_dtype = _ACCUMULATE.get(out.dtype)
-    fits_in_out = not any(np.may_share_memory(out, p) for p in parts[2:])  # out may alias parts 0 or 1 only
+    # out may alias parts 0 or 1 only (two parts: nothing to check)
+    fits_in_out = len(parts) == 2 or not any(np.may_share_memory(out, p) for p in parts[2:])
     if acc_dtype is None and op != AVG and len(parts) >= 2 and fits_in_out:
         ufunc(parts[0], parts[1], out=out)  # no temporary for the common case
         for part in parts[2:]:
@@ -126,6 +146,7 @@ class Op:
     """One posted NCCL operation of one communicator."""
 
     multi_phase = False  # whether complete() sends too (then a group completes it on its own thread)
+    eager = True  # whether it may run in place: small and single-phase (set from its buffers)
 
     def __init__(self, comm: Channel) -> None:
         self.comm = comm
@@ -142,8 +163,21 @@ class Op:
     def finish(self, deadline: float) -> None:
         """complete(), then hand the scratch buffers back for reuse."""
         self.complete(deadline)
-        self.comm.recycle(self._scratch)
-        self._scratch = []
+        if self._scratch:
+            self.comm.recycle(self._scratch)
+            self._scratch = []
+
+    def awaited(self) -> list[tuple[int, Key]]:
+        """The posted receives not yet waited for, as (peer, key)."""
+        return [slot for slots in self._pending.values() for slot in slots]
+
+    def received(self) -> None:
+        """Every posted receive is filled (a mailbox watch said so): complete() has nothing to wait for."""
+        self._pending.clear()
+
+    def _sized(self, a: np.ndarray, b: np.ndarray | None = None) -> None:
+        nbytes = a.nbytes if b is None else max(a.nbytes, b.nbytes)
+        self.eager = nbytes <= _EAGER_BYTES and not self.multi_phase
 
     def abandon(self) -> None:
         """Withdraw the receives not yet waited for (the operation failed)."""
@@ -155,7 +189,8 @@ class Op:
     def _temp(self, like: np.ndarray) -> np.ndarray:
         """A scratch array shaped and typed like ``like`` (1-D)."""
         raw = self.comm.scratch(like.nbytes)
-        self._scratch.append(raw)
+        if raw.nbytes >= SCRATCH_MIN:  # to be handed back by finish()
+            self._scratch.append(raw)
         return raw.view(like.dtype)
 
     def _recv(self, peer: int, key: Key, arr: np.ndarray) -> None:
@@ -194,6 +229,7 @@ class AllReduce(_Collective):
         super().__init__(comm, seq)
         self.src, self.dst, self.op = src, dst, op
         self.multi_phase = src.nbytes > _DIRECT_BYTES and comm.size > 1
+        self._sized(src, dst)
         self._parts: dict[int, np.ndarray] = {}
 
     def post(self) -> None:
@@ -233,6 +269,7 @@ class Reduce(_Collective):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray, op: int, root: int) -> None:
         super().__init__(comm, seq)
         self.src, self.dst, self.op, self.root = src, dst, op, root
+        self._sized(src, dst)
         self._parts: dict[int, np.ndarray] = {}
 
     def post(self) -> None:
@@ -256,6 +293,7 @@ class Broadcast(_Collective):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray, root: int) -> None:
         super().__init__(comm, seq)
         self.src, self.dst, self.root = src, dst, root
+        self._sized(src, dst)
 
     def post(self) -> None:
         if self.comm.rank != self.root:
@@ -273,6 +311,7 @@ class AllGather(_Collective):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray) -> None:
         super().__init__(comm, seq)
         self.src, self.dst = src, dst
+        self._sized(src, dst)
 
     def post(self) -> None:
         count = self.src.size
@@ -291,6 +330,7 @@ class ReduceScatter(_Collective):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray, op: int) -> None:
         super().__init__(comm, seq)
         self.src, self.dst, self.op = src, dst, op
+        self._sized(src, dst)
         self._parts: dict[int, np.ndarray] = {}
 
     def _block(self, j: int) -> np.ndarray:
@@ -317,6 +357,7 @@ class Send(Op):
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, peer: int) -> None:
         super().__init__(comm)
         self.src, self.peer, self.key = src, peer, (P2P, seq, 0)
+        self._sized(src)
 
     def post(self) -> None:
         self._send(self.peer, self.key, self.src)
@@ -328,6 +369,7 @@ class Recv(Op):
     def __init__(self, comm: Channel, seq: int, dst: np.ndarray, peer: int) -> None:
         super().__init__(comm)
         self.dst, self.peer, self.key = dst, peer, (P2P, seq, 0)
+        self._sized(dst)
 
     def post(self) -> None:
         self._recv(self.peer, self.key, self.dst)

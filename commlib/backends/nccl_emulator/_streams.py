@@ -6,23 +6,47 @@ The null stream (``ptr == 0``) is the host itself: work "enqueued" on it runs
 synchronously in the caller, so it is complete as soon as the call returns.
 Events remember a position in a stream's queue and are done once the stream
 has executed everything enqueued before the record.
+
+A task may also run "in place": started by the caller while the stream is idle
+and finished later by whichever thread completes it, with the worker only
+guarding its deadline (see ``_launch``). A thread that waits for such a task
+drives it (reads its replies itself), and a query of pending work (``done``)
+waits up to a millisecond before it answers no: the emulated device's threads
+share the GIL with the host, and a host spinning on ``done`` held them off for
+a whole switch interval (5 ms) per hand-off, where a GPU runs on regardless.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["CUDARuntimeError", "Device", "Event", "Stream", "cuda", "get_current_stream", "resolve_stream"]
 
 _DEVICE_COUNT = 1  # one emulated device per process: device 0
+# How long a query of pending work waits for it (without the GIL, or driving it);
+# long enough to cover a small operation, short enough that a polling host never notices.
+_QUERY_YIELD = 0.001
+_RETRY = 0.001  # how soon a host waiting behind another thread that drives the task looks again
+
+
+class InPlaceTask(Protocol):
+    """Work started in place (see _StreamCore.start_in_place)."""
+
+    deadline: float  # monotonic
+    expiring: bool  # set by the worker once it called expire()
+
+    def expire(self) -> None: ...
+    def drive(self, until: float | None) -> bool: ...
 
 
 class CUDARuntimeError(RuntimeError):
@@ -34,61 +58,134 @@ class _StreamCore:
 
     def __init__(self, ptr: int) -> None:
         self.ptr = ptr
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # reentrant: a garbage-collected Stream closes its core from inside any step
+        self._work = threading.Condition(self._lock)  # the worker waits here for tasks (and deadlines)
+        self._progress = threading.Condition(self._lock)  # hosts wait here for completions: never wakes the worker
+        self._hosts = 0  # threads waiting on _progress (notify_all costs a few calls: skipped when none)
         self._queue: deque[Callable[[], Any]] = deque()
         self._enqueued = 0  # tickets: the n-th enqueued callable has ticket n
         self.completed = 0
+        self._busy = False  # a task is running on the worker, or in flight in place
+        self._task: InPlaceTask | None = None  # the task started in place, while it is in flight
+        self._armed = math.inf  # when the waiting worker wakes up next
+        self._horizon = -math.inf  # the latest deadline of a task started in place
         self._thread: threading.Thread | None = None
         self._closing = False
 
     def submit(self, fn: Callable[[], Any]) -> None:
         """Enqueue ``fn``; it runs on the worker after everything enqueued before it."""
-        with self._cond:
+        with self._lock:
             self._queue.append(fn)
             self._enqueued += 1
-            if self._thread is None:  # started lazily: streams that never get work cost no thread
-                self._thread = threading.Thread(target=self._run, name=f"emulated-stream-{self.ptr:#x}", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            self._start_worker()
+            self._work.notify()
+
+    def start_in_place(self, task: InPlaceTask) -> bool:
+        """Take the next ticket for a task the caller starts itself, if the stream is idle (else False).
+
+        Whoever completes the task calls ``finish_in_place()``; if it is still in flight at
+        ``task.deadline``, the worker calls ``task.expire()``.
+        """
+        with self._lock:
+            if self._busy or self._queue:
+                return False
+            self._enqueued += 1
+            self._busy, self._task = True, task
+            self._horizon = max(self._horizon, task.deadline)
+            self._start_worker()
+            if task.deadline < self._armed:  # else the worker wakes up in time anyway: no wake-up per call
+                self._work.notify()
+            return True
+
+    def finish_in_place(self) -> None:
+        """The task started in place is done (successfully or not)."""
+        with self._lock:
+            self._busy, self._task = False, None
+            self.completed += 1
+            if self._hosts:
+                self._progress.notify_all()
+            if self._queue or self._closing:  # the worker has work, or may exit: else let it sleep on
+                self._work.notify()
+
+    def _start_worker(self) -> None:
+        if self._thread is None:  # started lazily: streams that never get work cost no thread
+            self._thread = threading.Thread(target=self._run, name=f"emulated-stream-{self.ptr:#x}", daemon=True)
+            self._thread.start()
 
     def ticket(self) -> int:
         """The ticket of the last enqueued callable (0 if none): what an event recorded now waits for."""
-        with self._cond:
-            return self._enqueued
+        return self._enqueued  # one int read is atomic: no lock needed
 
-    def reached(self, ticket: int) -> bool:
-        """Whether every callable up to ``ticket`` has run (never blocks)."""
-        return self.completed >= ticket
+    def wait_for(self, ticket: int, timeout: float | None = None) -> bool:
+        """Block until every callable up to ``ticket`` has run (True), or ``timeout`` seconds passed (False).
 
-    def wait_for(self, ticket: int) -> None:
-        """Block until every callable up to ``ticket`` has run."""
+        While a task started in place is in flight, the waiting thread drives it (reads its replies).
+        """
         if self.completed >= ticket:
-            return
-        with self._cond:
-            self._cond.wait_for(lambda: self.completed >= ticket)
+            return True
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            task = self._task  # a stale read is harmless: drive() declines a task that is told already
+            if task is None or not task.drive(until):
+                with self._lock:
+                    if self.completed < ticket:
+                        remaining = math.inf if until is None else max(until - time.monotonic(), 0.0)
+                        # Another thread drives the task: look again soon, it may stop before this one's is in.
+                        remaining = min(remaining, _RETRY) if task is not None else remaining
+                        self._hosts += 1
+                        try:
+                            self._progress.wait(None if remaining == math.inf else remaining)
+                        finally:
+                            self._hosts -= 1
+            if self.completed >= ticket:
+                return True
+            if until is not None and time.monotonic() >= until:
+                return False
 
     def close(self) -> None:
         """Let the worker exit once its queue is empty (the Stream object is gone)."""
-        with self._cond:
+        with self._lock:
             self._closing = True
-            self._cond.notify_all()
+            self._work.notify()
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._queue:
-                    if self._closing:
-                        return
-                    self._cond.wait()
-                fn = self._queue.popleft()
+            with self._lock:
+                job = self._next_job()
+            if job is None:
+                return
+            fn, queued = job
             try:
                 fn()
             except BaseException:  # a task must not kill the stream: later work and events depend on it
                 print(f"nccl emulator: work on stream {self.ptr:#x} raised:", file=sys.stderr)
                 traceback.print_exc()
-            with self._cond:
-                self.completed += 1
-                self._cond.notify_all()
+            if queued:
+                with self._lock:
+                    self._busy = False
+                    self.completed += 1
+                    if self._hosts:
+                        self._progress.notify_all()
+
+    def _next_job(self) -> tuple[Callable[[], Any], bool] | None:
+        """Wait (lock held) for the worker's next job: (callable, whether it is a queued task), or None to exit."""
+        while True:
+            task = self._task
+            if task is not None and task.deadline <= time.monotonic() and not task.expiring:
+                task.expiring = True
+                return task.expire, False
+            if self._queue and not self._busy:
+                self._busy = True
+                return self._queue.popleft(), True
+            if self._closing and not self._busy:
+                return None
+            # Sleep until the guarded deadline, or the last one seen: the next task started in place
+            # has a later deadline, so the worker needs no wake-up per task (see start_in_place).
+            wake = task.deadline if task is not None and not task.expiring else self._horizon
+            remaining = wake - time.monotonic()
+            self._armed = wake if remaining > 0 else math.inf
+            self._work.wait(min(remaining, threading.TIMEOUT_MAX) if remaining > 0 else None)
+            self._armed = -math.inf  # awake: a new deadline needs no wake-up, it is looked at next
 
 
 _ptrs = itertools.count(0xE0000010, 0x10)  # non-zero, recognisable "handles"
@@ -112,9 +209,10 @@ class Stream:
             self._core = _StreamCore(self.ptr)
             _streams[self.ptr] = self
 
-    def __del__(self) -> None:
+    # Bound as a default: at interpreter exit module globals may already be None.
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:
         core = getattr(self, "_core", None)
-        if core is not None:
+        if core is not None and not _finalizing():  # at exit the worker may have been frozen holding the lock
             core.close()
 
     def __repr__(self) -> str:
@@ -133,10 +231,19 @@ class Stream:
         else:
             self._core.submit(fn)
 
+    def start_in_place(self, task: InPlaceTask) -> bool:
+        """Take the next position for work the caller starts itself, if the stream is idle (see _StreamCore)."""
+        return self._core is not None and self._core.start_in_place(task)
+
+    def finish_in_place(self) -> None:
+        """The work started in place is done: later work may run."""
+        self._core.finish_in_place()
+
     @property
     def done(self) -> bool:
-        """Whether all work enqueued so far has run (never blocks)."""
-        return self._core is None or self._core.reached(self._core.ticket())
+        """Whether all work enqueued so far has run (if not, after waiting for it up to 1 ms)."""
+        core = self._core
+        return core is None or core.wait_for(core.ticket(), _QUERY_YIELD)
 
     def synchronize(self) -> None:
         """Block until all work enqueued so far has run."""
@@ -215,8 +322,12 @@ class Event:
 
     @property
     def done(self) -> bool:
-        """Whether the recorded work has completed (True if never recorded, like cudaEventQuery)."""
-        return self._core is None or self._core.reached(self._ticket)
+        """Whether the recorded work has completed (True if never recorded, like cudaEventQuery).
+
+        Pending work is first given up to 1 ms to finish (see the module docstring).
+        """
+        core = self._core
+        return core is None or core.wait_for(self._ticket, _QUERY_YIELD)
 
     def synchronize(self) -> None:
         """Block the host until the recorded work has completed."""
