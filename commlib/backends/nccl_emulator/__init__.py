@@ -146,7 +146,7 @@ def _index(value: object, name: str) -> int:
     if type(value) is int:  # the common case, without a call
         return value
     try:
-        return operator.index(value)
+        return operator.index(value)  # type: ignore[arg-type]  # what __index__ accepts is the point of the call
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
 
@@ -247,12 +247,13 @@ class NcclCommunicator:
             devices = list(range(devices))
         elif not isinstance(devices, list):
             raise ValueError('"devices" should be an int or a list of int.')
-        uid, comms, errors = get_unique_id(), [None] * len(devices), []
+        uid, errors = get_unique_id(), []
+        comms: list[NcclCommunicator | None] = [None] * len(devices)
 
         def make(rank: int) -> None:
             try:
-                comms[rank] = NcclCommunicator(len(devices), uid, rank)
-                comms[rank]._device = devices[rank]
+                comm = comms[rank] = NcclCommunicator(len(devices), uid, rank)
+                comm._device = devices[rank]
             except Exception as exc:
                 errors.append(exc)
 
@@ -263,7 +264,7 @@ class NcclCommunicator:
             thread.join()
         if errors:
             raise errors[0]
-        return comms
+        return [c for c in comms if c is not None]
 
     def destroy(self) -> None:
         """Wait for the launched operations, then close the connections gracefully (idempotent)."""

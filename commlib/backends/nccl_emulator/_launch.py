@@ -18,10 +18,33 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol, cast
 
 from ._errors import INTERNAL_ERROR, INVALID_USAGE, REMOTE_ERROR, NcclError
-from ._ops import Op
+from ._mailbox import Mailbox
+from ._ops import Channel, Op
 from ._streams import Stream
+
+
+class Core(Channel, Protocol):
+    """What launching needs from an operation's communicator, beyond what the operation itself needs."""
+
+    mailbox: Mailbox
+
+    def begin(self) -> None: ...
+    def end(self) -> None: ...
+    def check_runnable(self) -> None: ...
+    def fail(self, error: NcclError) -> None: ...
+    def can_send_now(self) -> bool: ...
+    def want(self, peers: set[int], delta: int) -> None: ...
+    def pump(self, peer: int, stop: Callable[[], bool], until: float | None) -> bool: ...
+
+
+def _core(op: Op) -> Core:
+    """The communicator ``op`` runs on (a ``CommCore``, which is all of ``Core``)."""
+    return cast(Core, op.comm)
+
 
 __all__ = ["execute", "group_end", "group_start", "submit"]
 
@@ -66,7 +89,7 @@ def _launch(items: list[tuple[Op, Stream]], timeout: float) -> None:
     others = [s for s in dict.fromkeys(stream for _, stream in items) if s is not lead] if len(items) > 1 else []
     ops = [op for op, _ in items]
     for op in ops:
-        op.comm.begin()
+        _core(op).begin()
     if not others and lead.ptr != 0 and _InPlace.start(ops, lead, timeout):
         return
     for stream in others:
@@ -100,20 +123,20 @@ def execute(ops: list[Op], timeout: float) -> NcclError | None:
             helper.join()
     finally:
         for op in ops:
-            op.comm.end()
+            _core(op).end()
     return errors[0] if errors else None
 
 
 def _guarded(op: Op, step, errors: list[NcclError]) -> bool:
     """Run one step of ``op``; on failure break its communicator and record the error."""
     try:
-        op.comm.check_runnable()
+        _core(op).check_runnable()
         step()
         return True
     except Exception as exc:
         error = _as_nccl_error(exc)
         op.abandon()
-        op.comm.fail(error)
+        _core(op).fail(error)
         errors.append(error)
         return False
 
@@ -132,7 +155,7 @@ class _InPlace:
 
     def __init__(self, ops: list[Op], stream: Stream, deadline: float) -> None:
         self.ops, self.stream, self.deadline = ops, stream, deadline
-        self.comm = ops[0].comm
+        self.comm = _core(ops[0])
         self.expired = False  # read by the mailbox when it is told to watch
         self.expiring = False  # set by the stream's worker
         self._posting = True
@@ -143,7 +166,7 @@ class _InPlace:
     @classmethod
     def start(cls, ops: list[Op], stream: Stream, timeout: float) -> bool:
         """Run ``ops`` in place if they are small, of one communicator, and ``stream`` is idle (else False)."""
-        comm = ops[0].comm
+        comm = _core(ops[0])
         for op in ops:
             if op.comm is not comm or not op.eager:
                 return False

@@ -24,18 +24,23 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
-
-try:
-    from fcntl import ioctl
-    from termios import TIOCOUTQ  # == SIOCOUTQ on Linux: bytes not yet acknowledged by the peer
-except ImportError:  # no such query here: every operation goes through its stream's worker
-    ioctl = TIOCOUTQ = None
 
 from ._errors import REMOTE_ERROR, NcclError
 from ._mailbox import Key, Mailbox
 from ._reader import HEADER, Reader
+
+_UNSENT: tuple[Any, int] | None  # (ioctl, TIOCOUTQ): ask a socket how many bytes the peer has not acknowledged
+try:
+    from fcntl import ioctl
+    from termios import TIOCOUTQ  # == SIOCOUTQ on Linux
+
+    _UNSENT = (ioctl, TIOCOUTQ)
+except ImportError:  # no such query here: every operation goes through its stream's worker
+    _UNSENT = None
+
 
 __all__ = ["BYE", "COLL", "P2P", "Link"]
 
@@ -113,11 +118,12 @@ class Link:
             return False
         if self._queued < self._backlog:
             return True
-        if ioctl is None:
+        if _UNSENT is None:
             return False
+        query, request = _UNSENT
         with self._send_lock:
             try:
-                self._queued = struct.unpack("i", ioctl(self._sock.fileno(), TIOCOUTQ, b"\0\0\0\0"))[0]
+                self._queued = struct.unpack("i", query(self._sock.fileno(), request, b"\0\0\0\0"))[0]
             except OSError:  # closed, or a platform that does not answer: take the worker's path
                 return False
         return self._queued < self._backlog
@@ -198,7 +204,7 @@ class Link:
                 self._mailbox.complete(self.peer, key)
             else:
                 buf = np.empty(nbytes, np.uint8)  # unlike bytearray(n), not zero-filled first
-                self._reader.read_into(memoryview(buf))
+                self._reader.read_into(memoryview(buf))  # type: ignore[arg-type]  # arrays are buffers
                 self._mailbox.store_early(self.peer, key, buf)
         except EOFError:
             raise _Ended(_ENDED) from None

@@ -60,7 +60,7 @@ class Mailbox:
                 self._posted[slot] = view
                 return
             self._check_size(peer, key, len(view), len(early))
-            view[:] = early
+            view[:] = early  # type: ignore[assignment]  # arrays are buffers
             watcher = self._fill(slot)
         if watcher is not None:
             watcher.ready()
@@ -91,7 +91,7 @@ class Mailbox:
                 self._early[slot] = data
                 return
             self._check_size(peer, key, len(view), len(data))
-            view[:] = data
+            view[:] = data  # type: ignore[assignment]  # arrays are buffers
             watcher = self._fill(slot)
             self._wake()
         if watcher is not None:

@@ -83,7 +83,7 @@ def host_array(ptr: int, count: int, dtype: np.dtype) -> np.ndarray:
         nbytes = count * dtype.itemsize
         if nbytes == 0:
             return np.empty(0, dtype)
-        view = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)
+        view = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=dtype)  # type: ignore[call-overload]  # ctypes arrays are buffers
         if len(_views) >= _VIEWS_KEPT:
             _views.clear()
         _views[key] = view
@@ -98,7 +98,7 @@ _VIEWS_KEPT = 64
 
 def _bytes(arr: np.ndarray) -> memoryview:
     """A flat byte view of a contiguous array (any dtype, bfloat16 included)."""
-    return memoryview(arr.view(np.uint8))
+    return memoryview(arr.view(np.uint8))  # type: ignore[arg-type]  # arrays are buffers
 
 
 def _chunk(count: int, n: int, j: int) -> slice:

@@ -237,7 +237,8 @@ class Stream:
 
     def finish_in_place(self) -> None:
         """The work started in place is done: later work may run."""
-        self._core.finish_in_place()
+        if self._core is not None:
+            self._core.finish_in_place()
 
     @property
     def done(self) -> bool:
