@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
+from commlib._sockets import recv_exact
 from commlib.errors import CommError, CommTimeoutError
 from commlib.store._base import (
     DEFAULT_TIMEOUT,
@@ -55,17 +56,6 @@ def _release_server(host: str, server: StoreServer) -> None:
                 return
             del _tenants[(host, server.port)]
     server.stop()
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("store server closed the connection")
-        got += n
-    return bytes(buf)
 
 
 class TCPStore(Store):
@@ -258,8 +248,12 @@ class TCPStore(Store):
                 raise CommError(f"TCPStore {self._address}: connection lost during {op.name}: {exc}") from exc
 
     def _read_frame(self, sock: socket.socket) -> tuple[Status, list[bytes]]:
-        code, body_len = _parse_header(_recv_exact(sock, HEADER.size), self._limits.max_body)
-        fields = _split_fields(_recv_exact(sock, body_len), self._limits.max_keys + 1)
+        code, body_len = _parse_header(
+            recv_exact(sock, HEADER.size, "store server closed the connection"), self._limits.max_body
+        )
+        fields = _split_fields(
+            recv_exact(sock, body_len, "store server closed the connection"), self._limits.max_keys + 1
+        )
         try:
             return Status(code), fields
         except ValueError:

@@ -44,10 +44,9 @@ from ._ops import (
     AllReduce,
     Broadcast,
     Op,
-    Recv,
+    PointToPoint,
     Reduce,
     ReduceScatter,
-    Send,
     host_array,
 )
 from ._streams import Stream, cuda, resolve_stream
@@ -354,14 +353,14 @@ class NcclCommunicator:
         core, count, dtype, s = self._common(count, datatype, stream)
         peer = self._root(core, peer, "peer")
         src = _host(sendbuf, count, dtype, "sendbuf")
-        self._submit(Send(core, core.next_p2p(peer, sending=True), src, peer), s)
+        self._submit(PointToPoint(core, core.next_p2p(peer, sending=True), src, peer, sending=True), s)
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         """Enqueue ncclRecv from ``peer`` on ``stream``."""
         core, count, dtype, s = self._common(count, datatype, stream)
         peer = self._root(core, peer, "peer")
         dst = _host(recvbuf, count, dtype, "recvbuf")
-        self._submit(Recv(core, core.next_p2p(peer, sending=False), dst, peer), s)
+        self._submit(PointToPoint(core, core.next_p2p(peer, sending=False), dst, peer, sending=False), s)
 
     def commSplit(self, color: int, key: int, config: NcclConfig | None = None) -> NcclCommunicator | None:
         """Split collectively: ranks of equal ``color`` form a communicator ordered by (key, rank); -1 gets None."""

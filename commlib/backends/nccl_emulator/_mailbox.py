@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,17 +53,7 @@ class Mailbox:
 
     def post(self, peer: int, key: Key, view: memoryview) -> None:
         """Announce that the message ``key`` from ``peer`` goes into ``view`` (a flat byte view)."""
-        slot = (peer, key)
-        with self._lock:
-            early = self._early.pop(slot, None)
-            if early is None:
-                self._posted[slot] = view
-                return
-            self._check_size(peer, key, len(view), len(early))
-            view[:] = early  # type: ignore[assignment]  # arrays are buffers
-            watcher = self._fill(slot)
-        if watcher is not None:
-            watcher.ready()
+        self._meet((peer, key), view, self._early, self._posted, receiving=True)
 
     def deliver_local(self, peer: int, key: Key, data: memoryview) -> None:
         """A message to oneself (send/recv with peer == rank): no socket involved."""
@@ -84,16 +74,22 @@ class Mailbox:
 
     def store_early(self, peer: int, key: Key, data: np.ndarray | bytearray) -> None:
         """Keep an early message; its receive may have been posted while it was being read."""
-        slot = (peer, key)
+        self._meet((peer, key), data, self._posted, self._early, receiving=False)
+
+    def _meet(self, slot: Slot, mine: Any, theirs: dict, park: dict, receiving: bool) -> None:
+        """A receive (``receiving``: ``mine`` is its view) or a message (``mine`` is its data) arrives at ``slot``:
+        it waits in ``park`` until the other half comes, or meets the half waiting in ``theirs`` and fills."""
         with self._lock:
-            view = self._posted.pop(slot, None)
-            if view is None:
-                self._early[slot] = data
+            other = theirs.pop(slot, None)
+            if other is None:
+                park[slot] = mine
                 return
-            self._check_size(peer, key, len(view), len(data))
-            view[:] = data  # type: ignore[assignment]  # arrays are buffers
+            view, data = (mine, other) if receiving else (other, mine)
+            self._check_size(slot[0], slot[1], len(view), len(data))
+            view[:] = data
             watcher = self._fill(slot)
-            self._wake()
+            if not receiving:
+                self._wake()
         if watcher is not None:
             watcher.ready()
 

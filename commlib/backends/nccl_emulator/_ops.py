@@ -27,10 +27,9 @@ __all__ = [
     "AllReduce",
     "Broadcast",
     "Op",
-    "Recv",
     "Reduce",
     "ReduceScatter",
-    "Send",
+    "PointToPoint",
     "host_array",
 ]
 
@@ -351,25 +350,13 @@ class ReduceScatter(_Collective):
         reduce_into(self.dst, parts, self.op, n)
 
 
-class Send(Op):
-    """ncclSend: the k-th send to a peer matches that peer's k-th receive from this rank."""
+class PointToPoint(Op):
+    """ncclSend (``sending``) or ncclRecv: the k-th send to a peer matches that peer's k-th receive from this rank."""
 
-    def __init__(self, comm: Channel, seq: int, src: np.ndarray, peer: int) -> None:
+    def __init__(self, comm: Channel, seq: int, buf: np.ndarray, peer: int, sending: bool) -> None:
         super().__init__(comm)
-        self.src, self.peer, self.key = src, peer, (P2P, seq, 0)
-        self._sized(src)
+        self.buf, self.peer, self.key, self.sending = buf, peer, (P2P, seq, 0), sending
+        self._sized(buf)
 
     def post(self) -> None:
-        self._send(self.peer, self.key, self.src)
-
-
-class Recv(Op):
-    """ncclRecv: see Send."""
-
-    def __init__(self, comm: Channel, seq: int, dst: np.ndarray, peer: int) -> None:
-        super().__init__(comm)
-        self.dst, self.peer, self.key = dst, peer, (P2P, seq, 0)
-        self._sized(dst)
-
-    def post(self) -> None:
-        self._recv(self.peer, self.key, self.dst)
+        (self._send if self.sending else self._recv)(self.peer, self.key, self.buf)

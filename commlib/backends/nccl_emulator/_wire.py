@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from commlib._sockets import recv_exact
+
 from ._errors import INVALID_ARGUMENT, INVALID_USAGE, SYSTEM_ERROR, NcclError
 
 __all__ = ["ID_BYTES", "Endpoint", "bootstrap", "connect_mesh", "decode_id", "new_unique_id", "open_listener"]
@@ -44,18 +46,6 @@ _REFUSALS = {
 }
 
 Endpoint = tuple[str, int]  # (IPv4, port)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly ``n`` bytes; ConnectionError on EOF."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("connection closed by the other side")
-        got += k
-    return bytes(buf)
 
 
 def _is_local_address(ip: str) -> bool:
@@ -158,7 +148,7 @@ def _admit(conn: socket.socket, secret: bytes, nranks: int | None, members: dict
     """Read one registration; keep the connection if it is valid, else refuse it. Returns the world size."""
     conn.settimeout(10.0)  # a registration is a few bytes; do not let a stray client stall the root
     try:
-        magic, their_secret, size, rank, ip, port = _REGISTER.unpack(_recv_exact(conn, _REGISTER.size))
+        magic, their_secret, size, rank, ip, port = _REGISTER.unpack(recv_exact(conn, _REGISTER.size))
     except (OSError, struct.error):
         conn.close()
         return nranks
@@ -205,12 +195,12 @@ def bootstrap(comm_id: object, nranks: int, rank: int, listen_port: int, timeout
         sock.sendall(_REGISTER.pack(_MAGIC, secret, nranks, rank, socket.inet_aton(my_ip), listen_port))
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
-            status, new_id = _TABLE_HEAD.unpack(_recv_exact(sock, _TABLE_HEAD.size))
+            status, new_id = _TABLE_HEAD.unpack(recv_exact(sock, _TABLE_HEAD.size))
             if status == _TIMED_OUT:
                 raise TimeoutError(f"only {new_id} of {nranks} ranks joined")
             if status != _OK:
                 raise NcclError(*_REFUSALS.get(status, (SYSTEM_ERROR, f"the bootstrap root refused: {status}")))
-            raw = _recv_exact(sock, nranks * _ENDPOINT.size)
+            raw = recv_exact(sock, nranks * _ENDPOINT.size)
         except TimeoutError as exc:
             why = f"timed out after {timeout:g} s waiting for all {nranks} ranks to join"
             detail = str(exc) if str(exc) not in ("", "timed out") else ""  # the root's count, if it sent one
@@ -262,7 +252,7 @@ def _accept_peer(
     """Keep ``conn`` if it says hello as a higher rank of this communicator; drop it otherwise."""
     conn.settimeout(min(max(deadline - time.monotonic(), 0.001), 10.0))  # a silent stray must not stall us
     try:
-        magic, their_id, peer = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+        magic, their_id, peer = _HELLO.unpack(recv_exact(conn, _HELLO.size))
     except (OSError, struct.error):
         conn.close()
         return
