@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import commlib
+from commlib.arrays import numpy_dtype
 from globalview import _signatures as sig
 from globalview._boxing import empty_local, execute, identity
 from globalview._layout import block_shape, split_range
@@ -49,18 +50,39 @@ def _decide(call: str, tensors: list[GlobalTensor], rule: sig.Rule) -> sig.Choic
     return sig.choose(
         call,
         [t.shape for t in tensors],
-        [t.dtype for t in tensors],
+        [t._dtype for t in tensors],
         tensors[0].placement,
         [t.sbp for t in tensors],
         rule,
     )
 
 
-def _probe_dtype(fn: Callable[..., Any], args: Sequence[Any]) -> np.dtype:
+def _probe_dtype(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
     """The result dtype, from running ``fn`` on one-element stand-ins (ranks with no data)."""
-    stand = [np.ones((1,) * a.ndim, a.dtype) if isinstance(a, GlobalTensor) else a for a in args]
+    torch_parts = any(isinstance(a, GlobalTensor) and a.is_torch for a in args)
+    stand = [
+        (a._xp if torch_parts else np).ones((1,) * a.ndim, a._dtype) if isinstance(a, GlobalTensor) else a
+        for a in args
+    ]
     with np.errstate(all="ignore"):
-        return np.asarray(fn(*stand)).dtype
+        out = fn(*stand)
+    return out.dtype if torch_parts else np.asarray(out).dtype
+
+
+def _boxed_parts(tensors: list[GlobalTensor], choice: sig.Choice, me: int) -> list[Any]:
+    """Each input's local part in the layout the signature needs (differentiable for torch parts)."""
+    if tensors[0].is_torch:
+        from globalview import _autograd as ag
+
+        return [
+            ag.box(p, t._local, me, t._box_xp()) if p.steps else t._local
+            for t, p in zip(tensors, choice.boxing, strict=True)
+        ]
+    xp = tensors[0]._xp
+    return [
+        execute(p, t.to_local(), me, xp) if p.steps else t.to_local()
+        for t, p in zip(tensors, choice.boxing, strict=True)
+    ]
 
 
 def apply(
@@ -77,18 +99,21 @@ def apply(
     if _explaining.get():
         raise _Explained(choice)
     first, me = tensors[0], commlib.get_rank()
-    boxed = iter(
-        execute(p, t.to_local(), me, first._xp) if p.steps else t.to_local()
-        for t, p in zip(tensors, choice.boxing, strict=True)
-    )
+    if len({t.is_torch for t in tensors}) > 1:
+        raise TypeError(f"globalview.{call}: inputs mix torch and numpy/cupy local parts; use one kind")
+    boxed = iter(_boxed_parts(tensors, choice, me))
     local_args = [next(boxed) if isinstance(a, GlobalTensor) else a for a in args]
     if me in first.placement:
         local = fn(*local_args)
         local = first._xp.asarray(local)
-        out_dtype = local.dtype if dtype is None else np.dtype(dtype)
+        out_dtype = local.dtype if dtype is None else dtype
     else:
-        out_dtype = _probe_dtype(fn, args) if dtype is None else np.dtype(dtype)
-        local = empty_local(first._xp, out_dtype)
+        out_dtype = _probe_dtype(fn, args) if dtype is None else dtype
+        local = empty_local(first._xp, numpy_dtype(out_dtype))
+        if first.is_torch:
+            from globalview import _autograd as ag
+
+            local = ag.empty_result(local_args, local)
     return GlobalTensor(local, out_shape, out_dtype, first.placement, choice.output, first._xp)
 
 
@@ -206,10 +231,13 @@ def _reduce(call: str, x: GlobalTensor, axis: Any, keepdims: bool) -> GlobalTens
             return s / count if call == "mean" else s
         if a.size == 0:  # an uneven split left this rank no elements: the identity stands in
             shape = xp.sum(a, axis=axes, keepdims=keepdims).shape
-            return xp.full(shape, identity(call, a.dtype), a.dtype)
+            return xp.full(shape, identity(call, numpy_dtype(a.dtype)), a.dtype)
         return getattr(xp, call)(a, axis=axes, keepdims=keepdims)
 
-    return apply(call, (x,), sig.reduction(x.ndim, axes, keepdims, kind), fn, out_shape)
+    # max/min over a split dimension give partial max/min, which has no gradient: under autograd
+    # the input is gathered first and the reduction runs on whole rows
+    partial = not (call in ("max", "min") and x.requires_grad)
+    return apply(call, (x,), sig.reduction(x.ndim, axes, keepdims, kind, partial), fn, out_shape)
 
 
 def sum(x: GlobalTensor, axis: Any = None, keepdims: bool = False) -> GlobalTensor:

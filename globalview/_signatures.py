@@ -149,8 +149,9 @@ def matmul(nd: int) -> Rule:
     return rule
 
 
-def reduction(ndim: int, axes: Sequence[int], keepdims: bool, reduce: str) -> Rule:
-    """sum/mean (``reduce`` "sum"), max, min over ``axes``: a split reduced away becomes partial."""
+def reduction(ndim: int, axes: Sequence[int], keepdims: bool, reduce: str, partial: bool = True) -> Rule:
+    """sum/mean (``reduce`` "sum"), max, min over ``axes``: a split reduced away becomes partial
+    (without ``partial``, a reduced dimension must be whole: no split of it, no partial input)."""
     kept = [d for d in range(ndim) if d not in axes]
 
     def out_dim(d: int) -> int:
@@ -159,8 +160,12 @@ def reduction(ndim: int, axes: Sequence[int], keepdims: bool, reduce: str) -> Ru
     def rule(current: tuple[SbpParallel, ...], p: int) -> list[Candidate]:
         cands: list[Candidate] = [((B,), B)]
         for d in range(ndim):
-            cands.append(((split(d),), PARTIAL[reduce] if d in axes else split(out_dim(d))))
-        cands.append(((PARTIAL[reduce],), PARTIAL[reduce]))
+            if d not in axes:
+                cands.append(((split(d),), split(out_dim(d))))
+            elif partial:
+                cands.append(((split(d),), PARTIAL[reduce]))
+        if partial:
+            cands.append(((PARTIAL[reduce],), PARTIAL[reduce]))
         return _prefer_current(current, cands)
 
     return rule
