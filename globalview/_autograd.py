@@ -183,4 +183,3 @@ def _explicit(t: Any, gradient: Any, call: str) -> torch.Tensor:
         raise ValueError(f"{call}: gradient is on {gradient.placement}, the tensor on {t.placement}")
     g = gradient.detach().to_global(sbp=dual(t.sbp))
     return g._local.to(dtype=t._local.dtype)
-

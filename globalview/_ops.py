@@ -28,22 +28,28 @@ Scalar = (int, float, complex, bool, np.number, np.bool_)
 _explaining = contextvars.ContextVar("globalview_explaining", default=False)
 
 
-def _tensors(call: str, args: Sequence[Any]) -> list[GlobalTensor]:
-    tensors = [a for a in args if isinstance(a, GlobalTensor)]
-    for a in args:
+def _label() -> str:
+    return f"[rank {commlib.get_rank()}/{commlib.get_world_size()}] "
+
+
+def _tensors(call: str, args: Sequence[Any], names: Sequence[str] | None = None) -> list[GlobalTensor]:
+    """The global tensors among ``args``, checked (before any communication) to share a placement."""
+    names = list(names or ()) + [f"operand {i}" for i in range(len(names or ()), len(args))]
+    for a, name in zip(args, names, strict=False):
         if not isinstance(a, (GlobalTensor, *Scalar)):
             raise TypeError(
-                f"globalview.{call}: operands must be global tensors or Python/numpy scalars, got {type(a).__name__}; "
-                f"make a local array global with globalview.to_global(array, placement, sbp)"
+                f"{_label()}globalview.{call}: operands must be global tensors or Python/numpy scalars, {name} is "
+                f"{type(a).__name__}; make a local array global with globalview.to_global(array, placement, sbp)"
             )
-    first = tensors[0]
-    for t in tensors[1:]:
+    tensors = [(a, n) for a, n in zip(args, names, strict=False) if isinstance(a, GlobalTensor)]
+    first, first_name = tensors[0]
+    for t, name in tensors[1:]:
         if t.placement != first.placement:
             raise ValueError(
-                f"globalview.{call}: inputs must share a placement, got {first.placement} and {t.placement}; "
-                f"move one with .to_global(placement=...)"
+                f"{_label()}globalview.{call}: inputs must share a placement, got {first.placement} for {first_name} "
+                f"and {t.placement} for {name}; move one with .to_global(placement=...)"
             )
-    return tensors
+    return [t for t, _ in tensors]
 
 
 def _decide(call: str, tensors: list[GlobalTensor], rule: sig.Rule) -> sig.Choice:
@@ -61,8 +67,7 @@ def _probe_dtype(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
     """The result dtype, from running ``fn`` on one-element stand-ins (ranks with no data)."""
     torch_parts = any(isinstance(a, GlobalTensor) and a.is_torch for a in args)
     stand = [
-        (a._xp if torch_parts else np).ones((1,) * a.ndim, a._dtype) if isinstance(a, GlobalTensor) else a
-        for a in args
+        (a._xp if torch_parts else np).ones((1,) * a.ndim, a._dtype) if isinstance(a, GlobalTensor) else a for a in args
     ]
     with np.errstate(all="ignore"):
         out = fn(*stand)
@@ -91,10 +96,11 @@ def apply(
     rule: sig.Rule,
     fn: Callable[..., Any],
     out_shape: tuple[int, ...],
-    dtype: np.dtype | None = None,
+    dtype: Any = None,
+    names: Sequence[str] | None = None,
 ) -> GlobalTensor:
     """Run operator ``call``: ``fn`` maps the boxed local parts (and scalars) to the local result."""
-    tensors = _tensors(call, args)
+    tensors = _tensors(call, args, names)
     choice = _decide(call, tensors, rule)
     if _explaining.get():
         raise _Explained(choice)

@@ -156,6 +156,13 @@ class GlobalTensor:
             local = xp.asarray(to_host(local))
         return GlobalTensor(local, self._shape, self._dtype, pl, sbp, xp)
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        """torch functions on global tensors (``F.linear(x, w)`` in a torch module's forward)."""
+        from globalview._dispatch import torch_function
+
+        return torch_function(func, args, kwargs or {})
+
     # -- autograd (torch parts) -------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:

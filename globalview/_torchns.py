@@ -68,16 +68,16 @@ def where(condition: Any, x: Any, y: Any) -> torch.Tensor:
     return torch.where(condition, x, y)
 
 
-def sum(a: torch.Tensor, axis: Sequence[int] = (), keepdims: bool = False) -> torch.Tensor:  # noqa: A001
+def sum(a: torch.Tensor, axis: Sequence[int] = (), keepdims: bool = False) -> torch.Tensor:
     """numpy's sum: ``axis=()`` reduces nothing (torch would reduce every dimension)."""
     return torch.sum(a, dim=tuple(axis), keepdim=keepdims) if len(axis) else a
 
 
-def max(a: torch.Tensor, axis: Sequence[int], keepdims: bool = False) -> torch.Tensor:  # noqa: A001
+def max(a: torch.Tensor, axis: Sequence[int], keepdims: bool = False) -> torch.Tensor:
     return torch.amax(a, dim=tuple(axis), keepdim=keepdims)
 
 
-def min(a: torch.Tensor, axis: Sequence[int], keepdims: bool = False) -> torch.Tensor:  # noqa: A001
+def min(a: torch.Tensor, axis: Sequence[int], keepdims: bool = False) -> torch.Tensor:
     return torch.amin(a, dim=tuple(axis), keepdim=keepdims)
 
 
