@@ -3,7 +3,8 @@
 With ``placement`` and ``sbp`` each rank builds exactly its own part, with no
 communication; without them they return a local numpy array (the
 single-process result). A torch ``dtype`` (``torch.float64``) gives torch local parts
-(a torch tensor without placement), and ``requires_grad=True`` makes the result a leaf. ``partial_sum`` places the value on the first rank of
+(a torch tensor without placement), and ``requires_grad=True`` makes the result a leaf.
+``partial_sum`` places the value on the first rank of
 each partial axis and zeros elsewhere (``partial_max``/``partial_min``: the value
 everywhere).
 """
