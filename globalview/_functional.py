@@ -3,11 +3,13 @@
 Each picks a signature by cost like every operator (``_signatures``), boxes its inputs, and
 runs the torch function on the local parts, so torch's autograd differentiates the local
 work and the boxing functions differentiate the communication. The argument names are
-``torch.nn.functional``'s, so torch modules' forward passes dispatch here unchanged.
+``torch.nn.functional``'s, so torch modules' forward passes dispatch here unchanged; on local
+torch tensors they are torch's own functions (the single-process result).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,10 +39,26 @@ __all__ = [
 ]
 
 
+def _polymorphic(torch_fn: Any) -> Any:
+    """Local torch tensors go to ``torch_fn`` (the single-process result), global ones to the decorated operator."""
+
+    def decorate(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, GlobalTensor) for a in (*args, *kwargs.values())):
+                return fn(*args, **kwargs)
+            return torch_fn(*args, **kwargs)
+
+        return call
+
+    return decorate
+
+
 def _fail(call: str, message: str) -> ValueError:
     return ValueError(f"{_ops._label()}globalview.nn.functional.{call}: {message}")
 
 
+@_polymorphic(F.linear)
 def linear(input: GlobalTensor, weight: GlobalTensor, bias: Any = None) -> GlobalTensor:
     """``input @ weight.T + bias`` (torch's linear; weight is (out, in)). Column parallel: weight
     S(0) gives S(last); row parallel: input S(last) and weight S(1) give a partial sum."""
@@ -57,11 +75,13 @@ def _unary(call: str, x: GlobalTensor, fn: Any) -> GlobalTensor:
     return _ops.apply(call, (x,), rule, fn, x.shape, x._dtype, ("input",))
 
 
+@_polymorphic(F.relu)
 def relu(input: GlobalTensor, inplace: bool = False) -> GlobalTensor:
     """max(x, 0), elementwise (a partial input is reduced first)."""
     return _unary("relu", input, F.relu)
 
 
+@_polymorphic(F.gelu)
 def gelu(input: GlobalTensor, approximate: str = "none") -> GlobalTensor:
     """GELU, elementwise."""
     return _unary("gelu", input, lambda a: F.gelu(a, approximate=approximate))
@@ -73,12 +93,14 @@ def _dim(call: str, x: GlobalTensor, dim: Any) -> int:
     return int(dim) % x.ndim
 
 
+@_polymorphic(F.softmax)
 def softmax(input: GlobalTensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> GlobalTensor:
     """Softmax along ``dim``: that dimension must be whole (a split of it is gathered first)."""
     d = _dim("softmax", input, dim)
     return _ops.apply("softmax", (input,), sig.rowwise(input.ndim, (d,)), lambda a: F.softmax(a, d), input.shape)
 
 
+@_polymorphic(F.log_softmax)
 def log_softmax(input: GlobalTensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> GlobalTensor:
     """log(softmax(x)) along ``dim`` (whole, like softmax)."""
     d = _dim("log_softmax", input, dim)
@@ -86,6 +108,7 @@ def log_softmax(input: GlobalTensor, dim: Any = None, _stacklevel: int = 3, dtyp
     return _ops.apply("log_softmax", (input,), rule, lambda a: F.log_softmax(a, d), input.shape)
 
 
+@_polymorphic(F.layer_norm)
 def layer_norm(
     input: GlobalTensor, normalized_shape: Sequence[int], weight: Any = None, bias: Any = None, eps: float = 1e-5
 ) -> GlobalTensor:
@@ -107,6 +130,7 @@ def layer_norm(
     return _ops.apply("layer_norm", (input, *params), rule, fn, input.shape, input._dtype, names)
 
 
+@_polymorphic(F.embedding)
 def embedding(
     input: GlobalTensor, weight: GlobalTensor, padding_idx: Any = None, *args: Any, **kw: Any
 ) -> GlobalTensor:
@@ -166,6 +190,7 @@ def _unsupported(call: str, **options: Any) -> None:
         raise _fail(call, f"not supported on global tensors: {bad}")
 
 
+@_polymorphic(F.nll_loss)
 def nll_loss(
     input: GlobalTensor,
     target: GlobalTensor,
@@ -203,6 +228,7 @@ def nll_loss(
     return picked.sum() / count
 
 
+@_polymorphic(F.cross_entropy)
 def cross_entropy(
     input: GlobalTensor,
     target: GlobalTensor,
@@ -221,6 +247,7 @@ def cross_entropy(
     return nll_loss(log_softmax(input, -1), target, ignore_index=ignore_index, reduction=reduction)
 
 
+@_polymorphic(F.mse_loss)
 def mse_loss(input: GlobalTensor, target: Any, size_average: Any = None, reduce: Any = None, **kw: Any) -> GlobalTensor:
     """Mean (or sum, ``reduction=``) of squared differences."""
     _unsupported("mse_loss", size_average=size_average, reduce=reduce, weight=kw.get("weight") is not None)
