@@ -448,17 +448,55 @@ def regression_job() -> list:
 # -- the jobs, by world size and backend -------------------------------------------------------
 
 
+EXAMPLES = {2: ["data_parallel.py", "model_parallel.py", "pipeline.py", "linear_regression.py"], 4: ["hybrid_2d.py"]}
+
+
+def examples_job() -> dict[str, list[str]]:
+    """The training tutorials of examples/globalview/, run in these ranks (torch is imported already)."""
+    import contextlib
+    import io
+    import runpy
+    from pathlib import Path
+
+    import commlib
+
+    out = {}
+    for script in EXAMPLES.get(commlib.get_world_size(), []):
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "globalview" / script))
+        out[script] = text.getvalue().splitlines()
+    return out
+
+
 def _job(with_regression: bool) -> dict:
-    out = {"train": train_job(), "grads": grads_job(), "errors": errors_job()}
+    out = {"train": train_job(), "grads": grads_job(), "errors": errors_job(), "examples": examples_job()}
     if with_regression:
         out["regression"] = regression_job()
     return out
 
 
+def _check_examples(by_rank: list[dict]) -> None:
+    """Every rank printed 5 losses equal to the single-process run's; the regression found w."""
+    for printed in by_rank:
+        for script, lines in printed.items():
+            if script == "linear_regression.py":
+                w = next(line for line in lines if line.startswith("w:"))
+                np.testing.assert_allclose(eval(w[2:]), [[2.0], [3.0]], atol=1e-3)
+                continue
+            steps = [line.split() for line in lines if line.startswith("step ")]
+            assert len(steps) == 5, (script, lines)
+            for words in steps:  # "step i loss L single S"
+                np.testing.assert_allclose(float(words[3]), float(words[5]), rtol=1e-9, err_msg=script)
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_globalview_trains(world_size: int, backend: str) -> None:
-    r0 = run(_job, world_size, world_size == 2, env=BACKENDS[backend], timeout=300)[0]
+    results = run(_job, world_size, world_size == 2, env=BACKENDS[backend], timeout=300)
+    r0 = results[0]
+    _check_examples([r["examples"] for r in results])
+    assert set(r0["examples"]) == set(EXAMPLES.get(world_size, []))
     assert r0["train"] == dict.fromkeys(train_scenarios(world_size), "ok")
     assert r0["grads"] == dict.fromkeys([*CONVERSIONS, *OPERATORS], "ok")
     assert all(v == "ok" for v in r0["errors"].values()), r0["errors"]

@@ -14,7 +14,7 @@ import torch
 import globalview as gv
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import DEVICE, STEPS, data, mlp, report, single_process_losses  # noqa: E402
+from _common import DEVICE, STEPS, data, mlp, report, single_process_losses
 
 S = gv.sbp
 mesh = gv.placement(DEVICE, ranks=[[0, 1], [2, 3]])

@@ -15,7 +15,7 @@ import commlib
 import globalview as gv
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import DEVICE, STEPS, data, mlp, report, single_process_losses  # noqa: E402
+from _common import DEVICE, STEPS, data, mlp, report, single_process_losses
 
 S = gv.sbp
 placement = gv.placement(DEVICE, list(range(commlib.get_world_size())))

@@ -16,7 +16,7 @@ import commlib
 import globalview as gv
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BATCH, DEVICE, STEPS, data, mlp, report, single_process_losses  # noqa: E402
+from _common import BATCH, DEVICE, STEPS, data, mlp, report, single_process_losses
 
 S, p = gv.sbp, commlib.get_world_size()
 half = max(1, p // 2)
