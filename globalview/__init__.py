@@ -210,13 +210,16 @@ for _name, _fn in {"__radd__": add, "__rsub__": sub, "__rmul__": mul, "__rtruedi
     setattr(GlobalTensor, _name, _reflected(_fn))
 for _name, _fn in {"sum": sum, "mean": mean, "max": max, "min": min}.items():
     setattr(GlobalTensor, _name, _reduction_method(_fn))
-GlobalTensor.numel = lambda self: self.size
-GlobalTensor.dim = lambda self: self.ndim
-GlobalTensor.contiguous = lambda self: self
-GlobalTensor.unsqueeze = lambda self, d: reshape(self, _unsqueezed(self.shape, d))
-GlobalTensor.relu = lambda self: _nnf().relu(self)
-GlobalTensor.softmax = lambda self, dim: _nnf().softmax(self, dim)
-GlobalTensor.log_softmax = lambda self, dim: _nnf().log_softmax(self, dim)
-GlobalTensor.T = property(lambda self: transpose(self))
-GlobalTensor.__abs__ = _method(abs)
+for _name, _fn in {
+    "numel": lambda self: self.size,
+    "dim": lambda self: self.ndim,
+    "contiguous": lambda self: self,
+    "unsqueeze": lambda self, d: reshape(self, _unsqueezed(self.shape, d)),
+    "relu": lambda self: _nnf().relu(self),
+    "softmax": lambda self, dim: _nnf().softmax(self, dim),
+    "log_softmax": lambda self, dim: _nnf().log_softmax(self, dim),
+    "T": property(lambda self: transpose(self)),
+    "__abs__": _method(abs),
+}.items():
+    setattr(GlobalTensor, _name, _fn)
 del _name, _fn

@@ -39,7 +39,7 @@ def ensure_groups(p: Plan, me: int) -> None:
         if step.kind == "broadcast":
             _groups.subgroup(step.ranks)
         elif step.is_collective and step.kind != "send_recv":
-            _groups.line_group(step.placement, step.axis, me)
+            _groups.line_group(step.placement, int(step.axis or 0), me)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

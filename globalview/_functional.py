@@ -176,9 +176,9 @@ def _mask(key: int, shape: Sequence[int], ranges: Any, p: float, like: torch.Ten
 
 def _reduce(call: str, x: GlobalTensor, reduction: str) -> GlobalTensor:
     if reduction == "mean":
-        return x.mean()
+        return _ops.mean(x)
     if reduction == "sum":
-        return x.sum()
+        return _ops.sum(x)
     if reduction == "none":
         return x
     raise _fail(call, f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -225,7 +225,7 @@ def nll_loss(
         input._dtype,
         ("target",),
     )
-    return picked.sum() / count
+    return _ops.OPERATORS["div"](_ops.sum(picked), count)
 
 
 @_polymorphic(F.cross_entropy)

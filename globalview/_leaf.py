@@ -96,6 +96,8 @@ class LeafGrads:
         if not p.steps:
             return
         grad = leaf.param.grad
+        if grad is None:
+            return
         new = run_plans((p,), grad, self.me, array_module(leaf.placement.type, "globalview"))
         with torch.no_grad():
             grad.copy_(new)

@@ -61,7 +61,7 @@ def _set(module: torch.nn.Module, name: str, value: torch.Tensor, is_param: bool
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     if is_param:
-        owner._parameters[attr] = value
+        owner._parameters[attr] = value  # type: ignore[assignment]
     else:
         owner._buffers[attr] = value
 
@@ -92,11 +92,12 @@ def to_global(
         g = _to_global(t.detach(), placement, (broadcast,) * placement.ndim).to_global(sbp=layouts[name])
         local = g.to_local()
         new = torch.nn.Parameter(local, requires_grad=t.requires_grad) if is_param else local
-        new._gv_layout = (g.shape, g._dtype, placement, layouts[name])
+        setattr(new, "_gv_layout", (g.shape, g._dtype, placement, layouts[name]))  # noqa: B010 - a tag on a tensor
         _set(module, name, new, is_param)
         if is_param and new.requires_grad:
             leaves.append(Leaf(name, new, g.shape, g._dtype, placement, layouts[name]))
-    module._gv_grads = LeafGrads(leaves, bucket_cap_mb=bucket_cap_mb) if leaves else None
+    grads = LeafGrads(leaves, bucket_cap_mb=bucket_cap_mb) if leaves else None
+    object.__setattr__(module, "_gv_grads", grads)  # the hooks' owner lives as long as the module
     return module
 
 
