@@ -3,6 +3,7 @@
 - :mod:`ddp.planner` -- pure bucket planning (which gradient goes in which flat buffer);
 - :class:`Reducer` -- averages gradients in flat buckets, each bucket's all-reduce started as
   soon as its last gradient is ready (numpy, cupy, torch or DLPack arrays);
+  both live in :mod:`commlib.buckets` (globalview reuses them) and are re-exported here;
 - :class:`DistributedDataParallel` -- torch's DDP on that reducer, driven by gradient hooks;
 - :class:`DistributedSampler`, :class:`SyncBatchNorm`, :mod:`ddp.comm_hooks`.
 
@@ -14,9 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from commlib.buckets import Bucket, BucketPlan, ParamInfo, Reducer, average_all_reduce, complete_order, plan_buckets
 from ddp import comm_hooks
-from ddp.planner import Bucket, BucketPlan, ParamInfo, complete_order, plan_buckets
-from ddp.reducer import Reducer, average_all_reduce
 from ddp.sampler import DistributedSampler
 
 __all__ = [

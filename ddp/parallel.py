@@ -29,11 +29,11 @@ import torch
 from torch.autograd import Variable
 
 import commlib
+from commlib.buckets import Reducer
+from commlib.buckets.trace import COMPUTE, Tracer, tracer_for
 from ddp._join import JoinState
 from ddp._sync import broadcast_coalesced, check_devices, verify_shapes
 from ddp.comm_hooks import GradBucket
-from ddp.reducer import Reducer
-from ddp.trace import COMPUTE, Tracer, tracer_for
 
 __all__ = ["DistributedDataParallel"]
 

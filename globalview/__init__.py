@@ -1,4 +1,4 @@
-"""globalview: OneFlow-style global tensors on numpy and cupy arrays, over commlib.
+"""globalview: OneFlow-style global tensors on numpy/cupy arrays and torch tensors, over commlib.
 
 A global tensor is one logical array that every rank holds: its ``placement`` says
 which ranks keep data (a list or an nd mesh of ranks) and its ``sbp`` how
@@ -7,6 +7,11 @@ Write single-device code over logical tensors; globalview inserts the
 communication: ``x.to_global(placement, sbp)`` redistributes ("boxing") by the
 cheapest plan, and operators infer their output's sbp from the inputs', boxing an
 input first when no signature fits. :func:`explain` shows the plan and its bytes.
+
+With torch local parts (a torch dtype, or ``to_global`` of torch tensors) everything is
+differentiable: ``loss.backward()`` runs torch's autograd through the local operators and the
+adjoint of every boxing step, and each leaf's gradient is laid out like the leaf (OneFlow's
+rule). :mod:`globalview.nn` makes torch modules global (data, tensor, pipeline parallelism).
 
 Every rank runs the same program (a global tensor's code is collective).
 """
@@ -95,6 +100,26 @@ eq, ne, lt, le, gt, ge = (OPERATORS[n] for n in ("eq", "ne", "lt", "le", "gt", "
 exp, log, sqrt, abs, tanh, sin, cos = (OPERATORS[n] for n in ("exp", "log", "sqrt", "abs", "tanh", "sin", "cos"))
 
 
+def __getattr__(name: str) -> Any:
+    """``globalview.nn`` (it imports torch) is loaded on first use."""
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module("globalview.nn")
+    raise AttributeError(f"module 'globalview' has no attribute {name!r}")
+
+
+def _nnf() -> Any:
+    from globalview import _functional  # imports torch: only for torch parts
+
+    return _functional
+
+
+def _unsqueezed(shape: tuple[int, ...], d: int) -> tuple[int, ...]:
+    d = d % (len(shape) + 1)
+    return (*shape[:d], 1, *shape[d:])
+
+
 def is_local(x: Any) -> bool:
     """True for a local (numpy/cupy) array, False for a :class:`GlobalTensor`."""
     return not isinstance(x, GlobalTensor)
@@ -136,6 +161,26 @@ def _reflected(fn):
 
 
 # Tensor methods and operators (numpy's spelling), all collective like the functions they call.
+def _transpose_method(x: GlobalTensor, axes: tuple) -> GlobalTensor:
+    """numpy's ``transpose(*axes)`` (a permutation) for numpy parts; torch's ``transpose(dim0, dim1)``
+    (a swap) for torch parts, so torch modules' code runs unchanged."""
+    if x.is_torch and len(axes) == 2:
+        perm = list(range(x.ndim))
+        a, b = (int(d) % x.ndim for d in axes)
+        perm[a], perm[b] = perm[b], perm[a]
+        return transpose(x, perm)
+    return transpose(x, axes[0] if len(axes) == 1 else (axes or None))
+
+
+def _reduction_method(fn):
+    """numpy's (axis, keepdims) and torch's (dim, keepdim) spellings."""
+
+    def method(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        return fn(self, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
+
+    return method
+
+
 for _name, _fn in {
     "__add__": add,
     "__sub__": sub,
@@ -151,12 +196,10 @@ for _name, _fn in {
     "__ge__": ge,
     "__getitem__": getitem,
     "__neg__": neg,
-    "sum": sum,
-    "mean": mean,
-    "max": max,
-    "min": min,
-    "transpose": lambda x, *axes: transpose(x, axes[0] if len(axes) == 1 else (axes or None)),
+    "transpose": lambda x, *axes: _transpose_method(x, axes),
     "reshape": reshape,
+    "view": reshape,
+    "permute": lambda x, *dims: transpose(x, dims[0] if len(dims) == 1 and not isinstance(dims[0], int) else dims),
     "exp": exp,
     "log": log,
     "sqrt": sqrt,
@@ -165,6 +208,18 @@ for _name, _fn in {
     setattr(GlobalTensor, _name, _method(_fn))
 for _name, _fn in {"__radd__": add, "__rsub__": sub, "__rmul__": mul, "__rtruediv__": div, "__rpow__": pow}.items():
     setattr(GlobalTensor, _name, _reflected(_fn))
-GlobalTensor.T = property(lambda self: transpose(self))
-GlobalTensor.__abs__ = _method(abs)
+for _name, _fn in {"sum": sum, "mean": mean, "max": max, "min": min}.items():
+    setattr(GlobalTensor, _name, _reduction_method(_fn))
+for _name, _fn in {
+    "numel": lambda self: self.size,
+    "dim": lambda self: self.ndim,
+    "contiguous": lambda self: self,
+    "unsqueeze": lambda self, d: reshape(self, _unsqueezed(self.shape, d)),
+    "relu": lambda self: _nnf().relu(self),
+    "softmax": lambda self, dim: _nnf().softmax(self, dim),
+    "log_softmax": lambda self, dim: _nnf().log_softmax(self, dim),
+    "T": property(lambda self: transpose(self)),
+    "__abs__": _method(abs),
+}.items():
+    setattr(GlobalTensor, _name, _fn)
 del _name, _fn

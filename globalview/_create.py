@@ -2,7 +2,9 @@
 
 With ``placement`` and ``sbp`` each rank builds exactly its own part, with no
 communication; without them they return a local numpy array (the
-single-process result). ``partial_sum`` places the value on the first rank of
+single-process result). A torch ``dtype`` (``torch.float64``) gives torch local parts
+(a torch tensor without placement), and ``requires_grad=True`` makes the result a leaf.
+``partial_sum`` places the value on the first rank of
 each partial axis and zeros elsewhere (``partial_max``/``partial_min``: the value
 everywhere).
 """
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 
 import commlib
+from commlib.arrays import numpy_dtype, to_host
 from globalview import _random
 from globalview._boxing import empty_local
 from globalview._layout import block, normalize_sbp
@@ -60,16 +63,49 @@ def _build(
     return GlobalTensor(xp.ascontiguousarray(local), shape, local.dtype, pl, sbp, xp)
 
 
-def tensor(data: Any, placement: Placement | None = None, sbp: Any = None, dtype: Any = None) -> Any:
-    """A tensor of ``data`` (the whole logical value, the same on every rank): each rank keeps its part."""
-    full = np.asarray(data if not hasattr(data, "get") else data.get(), dtype=dtype)
+def _is_torch_dtype(dtype: Any) -> bool:
+    return type(dtype).__module__.startswith("torch")
+
+
+def _np(dtype: Any) -> Any:
+    """numpy's dtype for a torch dtype (commlib's table); anything else unchanged."""
+    return numpy_dtype(dtype) if _is_torch_dtype(dtype) else dtype
+
+
+def _finish(out: Any, torch_parts: bool, requires_grad: bool, call: str) -> Any:
+    """Make ``out`` (numpy parts, or a local numpy array) torch when asked, and a leaf when asked."""
+    if requires_grad and not torch_parts:
+        raise TypeError(f"{call}: requires_grad=True needs torch local parts: pass a torch dtype")
+    if not torch_parts:
+        return out
+    from globalview import _torchns
+
+    if not isinstance(out, GlobalTensor):
+        return _torchns.asarray(out).requires_grad_(requires_grad)
+    device = _torchns.device_for(out.placement.type, out._xp)
+    local = _torchns.asarray(to_host(out._local), device=device)
+    t = GlobalTensor(local, out.shape, out._dtype, out.placement, out.sbp, _torchns)
+    return t.requires_grad_() if requires_grad else t
+
+
+def tensor(
+    data: Any, placement: Placement | None = None, sbp: Any = None, dtype: Any = None, requires_grad: bool = False
+) -> Any:
+    """A tensor of ``data`` (the whole logical value, the same on every rank): each rank keeps its part.
+
+    torch ``data`` or a torch ``dtype`` give torch parts."""
+    torch_parts = _is_torch_dtype(dtype) or type(data).__module__.startswith("torch")
+    if type(data).__module__.startswith("torch"):
+        data = data.detach().cpu().numpy()
+    full = np.asarray(data if not hasattr(data, "get") else data.get(), dtype=_np(dtype))
     if full.dtype == np.float64 and dtype is None and _is_python_floats(data):
         full = full.astype(np.float32)  # OneFlow's default floating dtype for Python floats
 
     def make(xp: Any, ranges: list[tuple[int, int]]) -> Any:
         return xp.asarray(full[tuple(slice(lo, hi) for lo, hi in ranges)])
 
-    return _build("globalview.tensor", full.shape, full.dtype, placement, sbp, make)
+    out = _build("globalview.tensor", full.shape, full.dtype, placement, sbp, make)
+    return _finish(out, torch_parts, requires_grad, "globalview.tensor")
 
 
 def _is_python_floats(data: Any) -> bool:
@@ -78,27 +114,35 @@ def _is_python_floats(data: Any) -> bool:
     return isinstance(data, float)
 
 
-def full(size: Sequence[int], fill_value: Any, *, dtype: Any = None, placement=None, sbp=None) -> Any:
+def full(
+    size: Sequence[int], fill_value: Any, *, dtype: Any = None, placement=None, sbp=None, requires_grad: bool = False
+) -> Any:
     """A tensor of ``size`` filled with ``fill_value``."""
+    torch_parts, dtype = _is_torch_dtype(dtype), _np(dtype)
     dt = np.dtype(dtype) if dtype is not None else np.asarray(fill_value).dtype
     if dtype is None and dt == np.float64:
         dt = np.dtype(np.float32)
     shape = _shape((size,) if isinstance(size, int) else tuple(size), "globalview.full")
-    return _build("globalview.full", shape, dt, placement, sbp, lambda xp, r: xp.full(_sizes(r), fill_value, dt))
+    out = _build("globalview.full", shape, dt, placement, sbp, lambda xp, r: xp.full(_sizes(r), fill_value, dt))
+    return _finish(out, torch_parts, requires_grad, "globalview.full")
 
 
 def _sizes(ranges: list[tuple[int, int]]) -> tuple[int, ...]:
     return tuple(hi - lo for lo, hi in ranges)
 
 
-def zeros(*size: Any, dtype: Any = np.float32, placement=None, sbp=None) -> Any:
-    shape = _shape(size, "globalview.zeros")
-    return _build("globalview.zeros", shape, dtype, placement, sbp, lambda xp, r: xp.zeros(_sizes(r), dtype))
+def zeros(*size: Any, dtype: Any = np.float32, placement=None, sbp=None, requires_grad: bool = False) -> Any:
+    """A tensor of zeros."""
+    shape, torch_parts, dtype = _shape(size, "globalview.zeros"), _is_torch_dtype(dtype), _np(dtype)
+    out = _build("globalview.zeros", shape, dtype, placement, sbp, lambda xp, r: xp.zeros(_sizes(r), dtype))
+    return _finish(out, torch_parts, requires_grad, "globalview.zeros")
 
 
-def ones(*size: Any, dtype: Any = np.float32, placement=None, sbp=None) -> Any:
-    shape = _shape(size, "globalview.ones")
-    return _build("globalview.ones", shape, dtype, placement, sbp, lambda xp, r: xp.ones(_sizes(r), dtype))
+def ones(*size: Any, dtype: Any = np.float32, placement=None, sbp=None, requires_grad: bool = False) -> Any:
+    """A tensor of ones."""
+    shape, torch_parts, dtype = _shape(size, "globalview.ones"), _is_torch_dtype(dtype), _np(dtype)
+    out = _build("globalview.ones", shape, dtype, placement, sbp, lambda xp, r: xp.ones(_sizes(r), dtype))
+    return _finish(out, torch_parts, requires_grad, "globalview.ones")
 
 
 def arange(start: Any, end: Any = None, step: Any = 1, *, dtype: Any = None, placement=None, sbp=None) -> Any:
@@ -107,6 +151,7 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, dtype: Any = None, pla
         start, end = 0, start
     if not step:
         raise ValueError("globalview.arange: step must not be 0")
+    torch_parts, dtype = _is_torch_dtype(dtype), _np(dtype)
     n = max(0, int(np.ceil((end - start) / step)))
     dt = np.dtype(dtype) if dtype is not None else np.arange(start, start + step, step).dtype
 
@@ -114,21 +159,26 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, dtype: Any = None, pla
         lo, hi = ranges[0]
         return (start + step * xp.arange(lo, hi)).astype(dt)
 
-    return _build("globalview.arange", (n,), dt, placement, sbp, make)
+    return _finish(_build("globalview.arange", (n,), dt, placement, sbp, make), torch_parts, False, "globalview.arange")
 
 
-def _random_tensor(call: str, draw: Callable, size: tuple, dtype: Any, seed: Any, placement, sbp) -> Any:
-    shape = _shape(size, call)
+def _random_tensor(call: str, draw: Callable, size: tuple, dtype: Any, seed: Any, placement, sbp, grad: bool) -> Any:
+    shape, torch_parts, dtype = _shape(size, call), _is_torch_dtype(dtype), _np(dtype)
     k = _random.next_key() if seed is None else _random.key(seed)
-    return _build(call, shape, dtype, placement, sbp, lambda xp, r: draw(xp, k, shape, r, dtype))
+    out = _build(call, shape, dtype, placement, sbp, lambda xp, r: draw(xp, k, shape, r, dtype))
+    return _finish(out, torch_parts, grad, call)
 
 
-def randn(*size: Any, dtype: Any = np.float32, seed: int | None = None, placement=None, sbp=None) -> Any:
+def randn(
+    *size: Any, dtype: Any = np.float32, seed: int | None = None, placement=None, sbp=None, requires_grad: bool = False
+) -> Any:
     """Standard normal values; the logical tensor depends only on the seed (or the default
     generator's position, see :func:`manual_seed`), not on placement, sbp or world size."""
-    return _random_tensor("globalview.randn", _random.normal, size, dtype, seed, placement, sbp)
+    return _random_tensor("globalview.randn", _random.normal, size, dtype, seed, placement, sbp, requires_grad)
 
 
-def rand(*size: Any, dtype: Any = np.float32, seed: int | None = None, placement=None, sbp=None) -> Any:
+def rand(
+    *size: Any, dtype: Any = np.float32, seed: int | None = None, placement=None, sbp=None, requires_grad: bool = False
+) -> Any:
     """Uniform values in [0, 1); the same logical tensor for every placement, sbp and world size."""
-    return _random_tensor("globalview.rand", _random.uniform, size, dtype, seed, placement, sbp)
+    return _random_tensor("globalview.rand", _random.uniform, size, dtype, seed, placement, sbp, requires_grad)

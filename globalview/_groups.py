@@ -11,26 +11,53 @@ guarantees that because every rank runs the same plan.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 import commlib
 import commlib.groups
 from globalview._placement import placement as Placement
 
-__all__ = ["Call", "collective", "line_group", "record", "subgroup"]
+__all__ = ["Call", "Recording", "collective", "line_group", "note", "phase", "record", "subgroup", "sub_mesh_group"]
 
-_recorders: list[list[Call]] = []
+_recorders: list[Recording] = []
+_phase = contextvars.ContextVar("globalview_phase", default="forward")
 
 
 @dataclass(frozen=True)
 class Call:
-    """One collective globalview issued: its name, the group's ranks and the bytes of its buffer(s)."""
+    """One collective globalview issued: its name, the group's ranks, the bytes of its buffer(s), and
+    whether the forward pass or backward (the adjoint boxing, the leaves' gradient reduction) ran it."""
 
     name: str
     ranks: tuple[int, ...]
     nbytes: int
+    phase: str = "forward"
+
+
+class Recording(list):
+    """The :class:`Call` s a :func:`record` block ran on this rank (a list), with a readable summary."""
+
+    def nbytes(self, phase: str | None = None) -> int:
+        """Bytes of the calls (of one ``phase``, "forward" or "backward", when given)."""
+        return sum(c.nbytes for c in self if phase is None or c.phase == phase)
+
+    def names(self, phase: str | None = None) -> list[str]:
+        """The collectives' names in issue order (of one ``phase`` when given)."""
+        return [c.name for c in self if phase is None or c.phase == phase]
+
+    def __str__(self) -> str:
+        lines = [f"{len(self)} collective(s), {self.nbytes()} bytes"]
+        for ph in ("forward", "backward"):
+            calls = [c for c in self if c.phase == ph]
+            if calls:
+                lines.append(f"  {ph}: {len(calls)} collective(s), {self.nbytes(ph)} bytes")
+                lines += [f"    {c.name} over ranks {list(c.ranks)}: {c.nbytes} bytes" for c in calls]
+        return "\n".join(lines)
 
 
 def subgroup(ranks: tuple[int, ...]) -> Any:
@@ -52,10 +79,26 @@ def line_group(pl: Placement, axis: int, me: int) -> Any:
     return mine
 
 
+def sub_mesh_group(pl: Placement, axes: tuple[int, ...], me: int) -> tuple[Any, tuple[int, ...]]:
+    """This rank's group over mesh ``axes`` of ``pl`` (the ranks sharing its other coordinates), and its ranks.
+
+    Every rank makes every such group, in the same order (making one is collective)."""
+    mesh = pl.ranks
+    moved = np.moveaxis(mesh, axes, tuple(range(mesh.ndim - len(axes), mesh.ndim)))
+    rows = moved.reshape(-1, int(np.prod([mesh.shape[a] for a in axes])))
+    mine: tuple[Any, tuple[int, ...]] = (None, ())
+    for row in rows:
+        ranks = tuple(int(r) for r in row)
+        g = subgroup(ranks)
+        if me in ranks:
+            mine = (g, ranks)
+    return mine
+
+
 @contextlib.contextmanager
-def record() -> Iterator[list[Call]]:
-    """Collect the collectives globalview runs inside the block (on this rank)."""
-    calls: list[Call] = []
+def record() -> Iterator[Recording]:
+    """Collect the collectives globalview runs inside the block (on this rank), backward included."""
+    calls = Recording()
     _recorders.append(calls)
     try:
         yield calls
@@ -63,8 +106,23 @@ def record() -> Iterator[list[Call]]:
         _recorders.remove(calls)
 
 
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Label the collectives run inside the block as ``name`` ("backward" in the autograd functions)."""
+    token = _phase.set(name)
+    try:
+        yield
+    finally:
+        _phase.reset(token)
+
+
+def note(name: str, ranks: tuple[int, ...], nbytes: int) -> None:
+    """Note a collective started elsewhere (the bucketed gradient reduction) in every active recorder."""
+    for calls in _recorders:
+        calls.append(Call(name, ranks, nbytes, _phase.get()))
+
+
 def collective(name: str, fn: Callable[..., Any], *args: Any, ranks: tuple[int, ...], nbytes: int, **kw: Any) -> None:
     """Run the commlib collective ``fn`` and note it in every active recorder."""
     fn(*args, **kw)
-    for calls in _recorders:
-        calls.append(Call(name, ranks, nbytes))
+    note(name, ranks, nbytes)

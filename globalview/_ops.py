@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import commlib
+from commlib.arrays import numpy_dtype
 from globalview import _signatures as sig
 from globalview._boxing import empty_local, execute, identity
 from globalview._layout import block_shape, split_range
@@ -27,40 +28,66 @@ Scalar = (int, float, complex, bool, np.number, np.bool_)
 _explaining = contextvars.ContextVar("globalview_explaining", default=False)
 
 
-def _tensors(call: str, args: Sequence[Any]) -> list[GlobalTensor]:
-    tensors = [a for a in args if isinstance(a, GlobalTensor)]
-    for a in args:
+def _label() -> str:
+    return f"[rank {commlib.get_rank()}/{commlib.get_world_size()}] "
+
+
+def _tensors(call: str, args: Sequence[Any], names: Sequence[str] | None = None) -> list[GlobalTensor]:
+    """The global tensors among ``args``, checked (before any communication) to share a placement."""
+    names = list(names or ()) + [f"operand {i}" for i in range(len(names or ()), len(args))]
+    for a, name in zip(args, names, strict=False):
         if not isinstance(a, (GlobalTensor, *Scalar)):
             raise TypeError(
-                f"globalview.{call}: operands must be global tensors or Python/numpy scalars, got {type(a).__name__}; "
-                f"make a local array global with globalview.to_global(array, placement, sbp)"
+                f"{_label()}globalview.{call}: operands must be global tensors or Python/numpy scalars, {name} is "
+                f"{type(a).__name__}; make a local array global with globalview.to_global(array, placement, sbp)"
             )
-    first = tensors[0]
-    for t in tensors[1:]:
+    tensors = [(a, n) for a, n in zip(args, names, strict=False) if isinstance(a, GlobalTensor)]
+    first, first_name = tensors[0]
+    for t, name in tensors[1:]:
         if t.placement != first.placement:
             raise ValueError(
-                f"globalview.{call}: inputs must share a placement, got {first.placement} and {t.placement}; "
-                f"move one with .to_global(placement=...)"
+                f"{_label()}globalview.{call}: inputs must share a placement, got {first.placement} for {first_name} "
+                f"and {t.placement} for {name}; move one with .to_global(placement=...)"
             )
-    return tensors
+    return [t for t, _ in tensors]
 
 
 def _decide(call: str, tensors: list[GlobalTensor], rule: sig.Rule) -> sig.Choice:
     return sig.choose(
         call,
         [t.shape for t in tensors],
-        [t.dtype for t in tensors],
+        [t._dtype for t in tensors],
         tensors[0].placement,
         [t.sbp for t in tensors],
         rule,
     )
 
 
-def _probe_dtype(fn: Callable[..., Any], args: Sequence[Any]) -> np.dtype:
+def _probe_dtype(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
     """The result dtype, from running ``fn`` on one-element stand-ins (ranks with no data)."""
-    stand = [np.ones((1,) * a.ndim, a.dtype) if isinstance(a, GlobalTensor) else a for a in args]
+    torch_parts = any(isinstance(a, GlobalTensor) and a.is_torch for a in args)
+    stand = [
+        (a._xp if torch_parts else np).ones((1,) * a.ndim, a._dtype) if isinstance(a, GlobalTensor) else a for a in args
+    ]
     with np.errstate(all="ignore"):
-        return np.asarray(fn(*stand)).dtype
+        out = fn(*stand)
+    return out.dtype if torch_parts else np.asarray(out).dtype
+
+
+def _boxed_parts(tensors: list[GlobalTensor], choice: sig.Choice, me: int) -> list[Any]:
+    """Each input's local part in the layout the signature needs (differentiable for torch parts)."""
+    if tensors[0].is_torch:
+        from globalview import _autograd as ag
+
+        return [
+            ag.box(p, t._local, me, t._box_xp()) if p.steps else t._local
+            for t, p in zip(tensors, choice.boxing, strict=True)
+        ]
+    xp = tensors[0]._xp
+    return [
+        execute(p, t.to_local(), me, xp) if p.steps else t.to_local()
+        for t, p in zip(tensors, choice.boxing, strict=True)
+    ]
 
 
 def apply(
@@ -69,26 +96,30 @@ def apply(
     rule: sig.Rule,
     fn: Callable[..., Any],
     out_shape: tuple[int, ...],
-    dtype: np.dtype | None = None,
+    dtype: Any = None,
+    names: Sequence[str] | None = None,
 ) -> GlobalTensor:
     """Run operator ``call``: ``fn`` maps the boxed local parts (and scalars) to the local result."""
-    tensors = _tensors(call, args)
+    tensors = _tensors(call, args, names)
     choice = _decide(call, tensors, rule)
     if _explaining.get():
         raise _Explained(choice)
     first, me = tensors[0], commlib.get_rank()
-    boxed = iter(
-        execute(p, t.to_local(), me, first._xp) if p.steps else t.to_local()
-        for t, p in zip(tensors, choice.boxing, strict=True)
-    )
+    if len({t.is_torch for t in tensors}) > 1:
+        raise TypeError(f"globalview.{call}: inputs mix torch and numpy/cupy local parts; use one kind")
+    boxed = iter(_boxed_parts(tensors, choice, me))
     local_args = [next(boxed) if isinstance(a, GlobalTensor) else a for a in args]
     if me in first.placement:
         local = fn(*local_args)
         local = first._xp.asarray(local)
-        out_dtype = local.dtype if dtype is None else np.dtype(dtype)
+        out_dtype = local.dtype if dtype is None else dtype
     else:
-        out_dtype = _probe_dtype(fn, args) if dtype is None else np.dtype(dtype)
-        local = empty_local(first._xp, out_dtype)
+        out_dtype = _probe_dtype(fn, args) if dtype is None else dtype
+        local = empty_local(first._xp, numpy_dtype(out_dtype))
+        if first.is_torch:
+            from globalview import _autograd as ag
+
+            local = ag.empty_result(local_args, local)
     return GlobalTensor(local, out_shape, out_dtype, first.placement, choice.output, first._xp)
 
 
@@ -206,10 +237,13 @@ def _reduce(call: str, x: GlobalTensor, axis: Any, keepdims: bool) -> GlobalTens
             return s / count if call == "mean" else s
         if a.size == 0:  # an uneven split left this rank no elements: the identity stands in
             shape = xp.sum(a, axis=axes, keepdims=keepdims).shape
-            return xp.full(shape, identity(call, a.dtype), a.dtype)
+            return xp.full(shape, identity(call, numpy_dtype(a.dtype)), a.dtype)
         return getattr(xp, call)(a, axis=axes, keepdims=keepdims)
 
-    return apply(call, (x,), sig.reduction(x.ndim, axes, keepdims, kind), fn, out_shape)
+    # max/min over a split dimension give partial max/min, which has no gradient: under autograd
+    # the input is gathered first and the reduction runs on whole rows
+    partial = not (call in ("max", "min") and x.requires_grad)
+    return apply(call, (x,), sig.reduction(x.ndim, axes, keepdims, kind, partial), fn, out_shape)
 
 
 def sum(x: GlobalTensor, axis: Any = None, keepdims: bool = False) -> GlobalTensor:

@@ -32,9 +32,9 @@ import numpy as np
 
 from globalview._layout import block_shape, without
 from globalview._placement import placement as Placement
-from globalview.sbp import SbpParallel, broadcast
+from globalview.sbp import SbpParallel, broadcast, partial_sum
 
-__all__ = ["Plan", "Step", "plan"]
+__all__ = ["Plan", "Step", "adjoint", "dual", "plan"]
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "gather", "reduce", "send_recv")
 
@@ -249,3 +249,36 @@ def plan(shape, dtype, src: tuple[Placement, tuple], dst: tuple[Placement, tuple
         steps.append(Step("broadcast", spl, None, allb, allb, total * len(need), root=root, ranks=group, to=dpl))
     tail = same_placement(shape, dtype, dpl, (broadcast,) * dpl.ndim, dsbp)
     return Plan(shape, dtype, src, dst, tuple(steps + tail))
+
+
+def dual(sbp: Sequence[SbpParallel]) -> tuple[SbpParallel, ...]:
+    """The layout of a tensor's gradient in the local autograd graph: S(d) -> S(d), B -> P, P -> B.
+
+    OneFlow's rule for the gradient of a local -> global cast, and the layout every local
+    operator's backward produces: a rank that used a broadcast value holds only its share of the
+    gradient (the shares sum to it), and each rank of a partial sum receives the whole gradient.
+    """
+    out = []
+    for s in sbp:
+        if s.is_partial and s.reduce != "sum":
+            raise ValueError(f"globalview: a partial_{s.reduce} tensor has no gradient layout (max/min do not sum)")
+        out.append(s if s.is_split else partial_sum if s.is_broadcast else broadcast)
+    return tuple(out)
+
+
+def adjoint(p: Plan, via: tuple[SbpParallel, ...] | None = None) -> tuple[Plan, ...]:
+    """The backward of boxing plan ``p``: the gradient goes from ``dual(dst)`` back to ``dual(src)``.
+
+    Boxing keeps the logical value, so its adjoint is the boxing of the gradient between the dual
+    layouts (all_gather <-> reduce_scatter, all_reduce <-> all_reduce, all_to_all <-> all_to_all,
+    slice <-> fill, zero <-> zero, send/recv and broadcast reversed). ``via`` (``to_global``'s
+    ``grad_sbp``) routes the gradient through that layout of the destination placement first.
+    """
+    (spl, ssbp), (dpl, dsbp) = p.src, p.dst
+    start = (dpl, dual(dsbp))
+    plans = []
+    if via is not None and tuple(via) != start[1]:
+        plans.append(plan(p.shape, p.dtype, start, (dpl, tuple(via))))
+        start = (dpl, tuple(via))
+    plans.append(plan(p.shape, p.dtype, start, (spl, dual(ssbp))))
+    return tuple(plans)

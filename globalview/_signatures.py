@@ -16,7 +16,18 @@ from globalview._placement import placement as Placement
 from globalview._plan import Plan, plan
 from globalview.sbp import SbpParallel, broadcast, partial_max, partial_min, partial_sum, split
 
-__all__ = ["Choice", "choose", "elementwise", "matmul", "reduction", "structural"]
+__all__ = [
+    "Choice",
+    "choose",
+    "elementwise",
+    "embedding",
+    "linear",
+    "matmul",
+    "pick",
+    "reduction",
+    "rowwise",
+    "structural",
+]
 
 B, P = broadcast, partial_sum
 PARTIAL = {"sum": partial_sum, "max": partial_max, "min": partial_min}
@@ -149,8 +160,9 @@ def matmul(nd: int) -> Rule:
     return rule
 
 
-def reduction(ndim: int, axes: Sequence[int], keepdims: bool, reduce: str) -> Rule:
-    """sum/mean (``reduce`` "sum"), max, min over ``axes``: a split reduced away becomes partial."""
+def reduction(ndim: int, axes: Sequence[int], keepdims: bool, reduce: str, partial: bool = True) -> Rule:
+    """sum/mean (``reduce`` "sum"), max, min over ``axes``: a split reduced away becomes partial
+    (without ``partial``, a reduced dimension must be whole: no split of it, no partial input)."""
     kept = [d for d in range(ndim) if d not in axes]
 
     def out_dim(d: int) -> int:
@@ -159,8 +171,12 @@ def reduction(ndim: int, axes: Sequence[int], keepdims: bool, reduce: str) -> Ru
     def rule(current: tuple[SbpParallel, ...], p: int) -> list[Candidate]:
         cands: list[Candidate] = [((B,), B)]
         for d in range(ndim):
-            cands.append(((split(d),), PARTIAL[reduce] if d in axes else split(out_dim(d))))
-        cands.append(((PARTIAL[reduce],), PARTIAL[reduce]))
+            if d not in axes:
+                cands.append(((split(d),), split(out_dim(d))))
+            elif partial:
+                cands.append(((split(d),), PARTIAL[reduce]))
+        if partial:
+            cands.append(((PARTIAL[reduce],), PARTIAL[reduce]))
         return _prefer_current(current, cands)
 
     return rule
@@ -177,6 +193,55 @@ def structural(ndim: int, dim_map: Callable[[int, int], int | None], partial_ok:
                 cands.append(((split(d),), split(o)))
         if partial_ok:
             cands += [((s,), s) for s in PARTIAL.values()]
+        return _prefer_current(current, cands)
+
+    return rule
+
+
+def linear(nd: int) -> Rule:
+    """``x @ w.T`` with ``x`` (..., K) of ``nd`` dimensions and ``w`` (N, K) (torch's linear): batch
+    split x B -> split; B x S(0) (column parallel) -> S(last); S(last) x S(1) (row parallel) -> P."""
+    last = nd - 1
+
+    def rule(current: tuple[SbpParallel, ...], p: int) -> list[Candidate]:
+        cands: list[Candidate] = [((B, B), B), ((B, split(0)), split(last)), ((split(last), split(1)), P)]
+        cands += [((split(d), B), split(d)) for d in range(last)]
+        cands += [((P, B), P), ((B, P), P)]
+        return _prefer_current(current, cands)
+
+    return rule
+
+
+def rowwise(ndim: int, whole: Sequence[int], n_params: int = 0) -> Rule:
+    """Ops that need ``whole`` dimensions intact (softmax, layer norm): split elsewhere or broadcast;
+    ``n_params`` further inputs (layer norm's weight and bias) must be broadcast."""
+
+    def rule(current: tuple[SbpParallel, ...], p: int) -> list[Candidate]:
+        rest = (B,) * n_params
+        cands: list[Candidate] = [((B, *rest), B)]
+        cands += [((split(d), *rest), split(d)) for d in range(ndim) if d not in whole]
+        return _prefer_current(current, cands)
+
+    return rule
+
+
+def embedding(ids_ndim: int) -> Rule:
+    """``weight[ids]``: split ids x B -> split; B x S(1) (features split) -> S(last)."""
+
+    def rule(current: tuple[SbpParallel, ...], p: int) -> list[Candidate]:
+        cands: list[Candidate] = [((B, B), B), ((B, split(1)), split(ids_ndim))]
+        cands += [((split(d), B), split(d)) for d in range(ids_ndim)]
+        return _prefer_current(current, cands)
+
+    return rule
+
+
+def pick(target_ndim: int) -> Rule:
+    """``values[..., target]`` along the last dimension: batch dims split alike, or broadcast."""
+
+    def rule(current: tuple[SbpParallel, ...], p: int) -> list[Candidate]:
+        cands: list[Candidate] = [((B, B), B)]
+        cands += [((split(d), split(d)), split(d)) for d in range(target_ndim)]
         return _prefer_current(current, cands)
 
     return rule

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import commlib
-from commlib.arrays import DTYPES, numpy_dtype, to_host
+from commlib.arrays import DTYPES, as_array, numpy_dtype, to_host, torch_dtype
 from globalview import _groups, _memory
 from globalview._boxing import empty_local, execute
 from globalview._layout import block_shape, normalize_sbp
@@ -33,7 +33,7 @@ class GlobalTensor:
     __hash__ = None  # == is elementwise
 
     def __init__(self, local: Any, shape: tuple[int, ...], dtype: Any, pl: Placement, sbp: tuple, xp: Any) -> None:
-        self._local, self._shape, self._dtype = local, tuple(shape), np.dtype(dtype)
+        self._local, self._shape, self._dtype = local, tuple(shape), numpy_dtype(dtype)
         self._placement, self._sbp, self._xp = pl, tuple(sbp), xp
 
     # -- what it is --------------------------------------------------------------------------
@@ -43,8 +43,20 @@ class GlobalTensor:
         return self._shape
 
     @property
-    def dtype(self) -> np.dtype:
-        return self._dtype
+    def dtype(self) -> Any:
+        """numpy's dtype for numpy/cupy parts, torch's for torch parts."""
+        return torch_dtype(self._dtype) if self.is_torch else self._dtype
+
+    @property
+    def is_torch(self) -> bool:
+        """True when the local parts are torch tensors (then autograd works)."""
+        return getattr(self._xp, "IS_TORCH", False)
+
+    def _box_xp(self, pl: Placement | None = None) -> Any:
+        """The array module boxing runs in: the family's own, or numpy/cupy under torch parts."""
+        if not self.is_torch:
+            return self._xp
+        return array_module((pl or self._placement).type, "globalview")
 
     @property
     def ndim(self) -> int:
@@ -86,8 +98,13 @@ class GlobalTensor:
 
     # -- local and logical values -------------------------------------------------------------
     def to_local(self) -> Any:
-        """This rank's part (numpy, or cupy for "cuda" placements on GPUs); empty outside the placement."""
+        """This rank's part (numpy, cupy, or a torch tensor that keeps its autograd history); empty
+        outside the placement. Its gradient, if it gets one, is this rank's part of the dual layout."""
         return self._local
+
+    def _array(self) -> Any:
+        """The local part as the numpy/cupy array boxing moves (a zero-copy view of a torch part)."""
+        return as_array(self._local.detach().contiguous()) if self.is_torch else self._local
 
     def numpy(self) -> np.ndarray:
         """The whole logical array, on every rank (collective: every rank must call it)."""
@@ -95,10 +112,10 @@ class GlobalTensor:
         full = self if all(s.is_broadcast for s in self._sbp) else self.to_global(sbp=(broadcast,) * len(self._sbp))
         ranks = tuple(range(commlib.get_world_size()))
         if set(self._placement.flat) == set(ranks):
-            return to_host(full._local)
-        root = self._placement.flat[0]
-        buf = full._local if me == root else _memory.empty(self._xp, self._shape, self._dtype)
-        buf = self._xp.ascontiguousarray(buf)
+            return np.array(to_host(full._array()), copy=True) if self.is_torch else to_host(full._local)
+        root, xp = self._placement.flat[0], self._box_xp()
+        buf = full._array() if me == root else _memory.empty(xp, self._shape, self._dtype)
+        buf = xp.ascontiguousarray(buf)
         _groups.collective("broadcast", commlib.broadcast, buf, src=root, group=None, ranks=ranks, nbytes=buf.nbytes)
         return to_host(buf)
 
@@ -112,11 +129,12 @@ class GlobalTensor:
         return out if dtype is None else out.astype(dtype)
 
     # -- redistribution -----------------------------------------------------------------------
-    def to_global(self, placement: Placement | None = None, sbp: Any = None) -> GlobalTensor:
+    def to_global(self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> GlobalTensor:
         """The same logical tensor on ``placement`` with ``sbp`` (either may be left out: unchanged).
 
         Collective: every rank calls it. The communication is the cheapest plan
-        (see :func:`globalview.explain`)."""
+        (see :func:`globalview.explain`); with torch parts it is differentiable: backward boxes the
+        gradient back (through ``grad_sbp`` first, when given)."""
         call = "GlobalTensor.to_global"
         pl = self._placement if placement is None else _check_placement(placement, call)
         if sbp is None:
@@ -126,12 +144,70 @@ class GlobalTensor:
         sbp = normalize_sbp(sbp, pl.ndim, self.ndim, call)
         if pl == self._placement and sbp == self._sbp:
             return self
-        xp = array_module(pl.type, call) if pl.type != self._placement.type else self._xp
         p = self.plan_to(pl, sbp)
+        if self.is_torch:
+            if grad_sbp is not None:
+                grad_sbp = normalize_sbp(grad_sbp, pl.ndim, self.ndim, call + " grad_sbp")
+            local = _autograd().box(p, self._local, commlib.get_rank(), self._box_xp(), grad_sbp)
+            return GlobalTensor(local, self._shape, self._dtype, pl, sbp, self._xp)
+        xp = array_module(pl.type, call) if pl.type != self._placement.type else self._xp
         local = execute(p, self._local, commlib.get_rank(), self._xp)
         if xp is not self._xp:
             local = xp.asarray(to_host(local))
         return GlobalTensor(local, self._shape, self._dtype, pl, sbp, xp)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        """torch functions on global tensors (``F.linear(x, w)`` in a torch module's forward)."""
+        from globalview._dispatch import torch_function
+
+        return torch_function(func, args, kwargs or {})
+
+    # -- autograd (torch parts) -------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        return self.is_torch and self._local.requires_grad
+
+    def requires_grad_(self, requires_grad: bool = True) -> GlobalTensor:
+        """Make this tensor a leaf that collects gradients (torch parts only); returns it."""
+        if not self.is_torch:
+            raise TypeError(
+                f"[rank {commlib.get_rank()}/{commlib.get_world_size()}] GlobalTensor.requires_grad_: autograd "
+                f"needs torch local parts; make the tensor with a torch dtype or from torch tensors"
+            )
+        self._local.requires_grad_(requires_grad)
+        if requires_grad:
+            from globalview._leaf import watch
+
+            watch(self)
+        return self
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.is_torch or self._local.is_leaf
+
+    @property
+    def grad_fn(self) -> Any:
+        """The torch autograd node that made this rank's local part (None for leaves)."""
+        return self._local.grad_fn if self.is_torch else None
+
+    @property
+    def grad(self) -> GlobalTensor | None:
+        """A leaf's accumulated gradient, laid out as the leaf (OneFlow's rule), or None."""
+        g = self._local.grad if self.is_torch else None
+        if g is None:
+            return None
+        return GlobalTensor(g, self._shape, self._dtype, self._placement, self._sbp, self._xp)
+
+    def detach(self) -> GlobalTensor:
+        """The same tensor without autograd history."""
+        local = self._local.detach() if self.is_torch else self._local
+        return GlobalTensor(local, self._shape, self._dtype, self._placement, self._sbp, self._xp)
+
+    def backward(self, gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False) -> None:
+        """Backpropagate from this tensor (collective). Without ``gradient`` it must have one element;
+        its sbp may be anything (a broadcast loss seeds 1 on the first rank only, a partial one on all)."""
+        _autograd().run_backward(self, gradient, retain_graph, create_graph)
 
     def plan_to(self, placement: Placement, sbp: tuple[SbpParallel, ...]) -> Plan:
         """The boxing plan from this tensor's layout to (placement, sbp), without running it."""
@@ -207,16 +283,22 @@ def _logical_shape(meta: np.ndarray, pl: Placement, sbp: tuple, call: str) -> tu
     return shape, _CODES[code]
 
 
-def to_global(local: Any, placement: Placement, sbp: Any, *, xp: Any = None) -> GlobalTensor:
+def to_global(local: Any, placement: Placement, sbp: Any, *, grad_sbp: Any = None, xp: Any = None) -> GlobalTensor:
     """A global tensor from each rank's local part (collective: every rank calls it).
 
     ``split(d)``: the parts are concatenated along ``d``; ``broadcast``: the value of
     the placement's first rank (along each broadcast axis) is taken; ``partial_*``:
     the logical value is the sum (max, min) of the parts. Ranks outside the
     placement pass anything (it is ignored) and get an empty local part.
+
+    torch tensors (every rank passes one) give torch parts and a differentiable cast: each
+    rank's ``local`` receives its part of the gradient in the dual layout (S(d): S(d), B: P,
+    P: B), or in ``grad_sbp`` when given.
     """
     call = "globalview.to_global"
     pl = _check_placement(placement, call)
+    if type(local).__module__.startswith("torch"):
+        return _torch_to_global(local, pl, sbp, grad_sbp, call)
     xp = array_module(pl.type, call) if xp is None else xp
     me = commlib.get_rank()
     member = me in pl
@@ -244,3 +326,28 @@ def to_global(local: Any, placement: Placement, sbp: Any, *, xp: Any = None) -> 
     if not member:
         return GlobalTensor(empty_local(xp, dtype), shape, dtype, pl, sbp, xp)
     return GlobalTensor(a, shape, dtype, pl, sbp, xp)
+
+
+def _autograd() -> Any:
+    from globalview import _autograd as module  # imports torch: only for torch parts
+
+    return module
+
+
+def _torch_to_global(local: Any, pl: Placement, sbp: Any, grad_sbp: Any, call: str) -> GlobalTensor:
+    """:func:`to_global` of a torch tensor: the numpy/cupy cast on a zero-copy view, inside autograd."""
+    from globalview import _torchns
+
+    ag, xp, me = _autograd(), array_module(pl.type, call), commlib.get_rank()
+    src = local.detach().contiguous()
+    made: list[GlobalTensor] = []
+
+    def make() -> tuple:
+        g = to_global(as_array(src), pl, sbp, xp=xp)
+        made.append(g)
+        want = None if grad_sbp is None else normalize_sbp(grad_sbp, pl.ndim, g.ndim, call + " grad_sbp")
+        return ag.to_torch(g._local, src), g.shape, g._dtype, pl, g.sbp, want
+
+    out = ag.from_local(local, make, me, xp)
+    g = made[0]
+    return GlobalTensor(out, g.shape, g._dtype, pl, g.sbp, _torchns)

@@ -8,6 +8,7 @@ other, and they use only commlib's public modules. Inside commlib, from the bott
     store, launch, _diagnostics        + backends' contract only where they hook into waits
     the group layer (_group, _world, _collectives, ...), groups, env    anything below
     bench, torch_backend, demo         the public API
+    buckets (planner, reducer, trace)  the public API and arrays: shared by ddp and globalview
 
 Only ``commlib/backends/`` and ``commlib/arrays/`` import cupy; only the mpi backend's modules import mpi4py.
 """
@@ -55,6 +56,7 @@ ALLOWED = {
     "bench": {"", "arrays", "errors", "groups", "launch"},  # "" is the public package itself
     "torch_backend": {"", "arrays", "errors", "groups"},
     "demo": {""},
+    "buckets": {"", "arrays"},  # the bucket planner and reducer ddp and globalview both reuse
     "__init__": set(),  # the public API re-exports everything
 }
 

@@ -1,7 +1,7 @@
 """The few array operations the reducer needs, for numpy, cupy, torch and other DLPack arrays.
 
 Which dtypes exist, and how a foreign array becomes one commlib moves, is ``commlib.arrays``'
-answer (so ddp takes every dtype commlib moves, bfloat16 included). What is left here is
+answer (so the reducer takes every dtype commlib moves, bfloat16 included). What is left here is
 family-generic arithmetic: torch tensors have ``new_zeros``/``copy_``; numpy and cupy arrays
 have ``__array_namespace__``; nothing here imports torch or cupy.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from commlib import arrays
-from ddp.planner import ParamInfo
+from commlib.buckets.planner import ParamInfo
 
 __all__ = ["as_array", "copy_into", "describe", "flat_view", "is_inexact", "scale", "scale_into", "zero", "zeros_like"]
 

@@ -1,0 +1,141 @@
+"""Training-step time: globalview data parallel and tensor parallel vs commlib DDP, 2 ranks, ~25M-parameter MLP.
+
+    python benchmarks/gv_train.py                 # starts its own 2 ranks under mpiexec
+    python benchmarks/gv_train.py --batch 64 --repeats 9
+
+The MLP of benchmarks/ddp_step.py (1024 -> 4096 -> 4096 -> 1024, 25.2M float32 parameters), the
+same per-rank batch, trained four ways in the same processes: bare (no communication: the
+compute floor), ``ddp.DistributedDataParallel``, globalview data parallel (every weight
+broadcast, the batch split(0): the gradients are summed in buckets during backward, the same
+reducer ddp uses), and globalview tensor parallel (column-parallel first and last layers,
+row-parallel middle one; the batch broadcast). A step is forward, MSE loss, backward, SGD step.
+Methods run in rotating order, ``repeats`` rounds of ``steps`` steps; the table shows the
+median round's per-step time of the slower rank. A benchmark, not a test: it never fails on times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+TARGET = "target: globalview data parallel / ddp <= 1.1"
+SIZES = (1024, 4096, 4096, 1024)
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=2, help="steps per round")
+    p.add_argument("--repeats", type=int, default=11, help="rounds per method (median reported)")
+    return p.parse_args()
+
+
+def _mlp(torch: Any) -> Any:
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(itertools.pairwise(SIZES)):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(SIZES) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def _stepper(torch: Any, model: Any, x: Any, y: Any) -> Callable[[], None]:
+    """One training step: forward, MSE loss, backward, SGD."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        """Forward, loss, backward, optimizer step."""
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _methods(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    import torch
+
+    import commlib
+    import ddp
+    import globalview as gv
+
+    rank, world = commlib.get_rank(), commlib.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, SIZES[0], generator=g), torch.randn(args.batch, SIZES[-1], generator=g)
+    S, pl = gv.sbp, gv.placement("cpu", list(range(world)))
+    xd, yd = gv.to_global(x, pl, S.split(0)), gv.to_global(y, pl, S.split(0))  # each rank's batch is its part
+    xb, yb = xd.to_global(sbp=S.broadcast), yd.to_global(sbp=S.broadcast)  # tensor parallel: the whole batch
+    tp = {"0.weight": S.split(0), "0.bias": S.split(0), "2.weight": S.split(1), "4.weight": S.split(0)}
+    return {
+        "single process": _stepper(torch, _mlp(torch), x, y),
+        "commlib DDP": _stepper(torch, ddp.DistributedDataParallel(_mlp(torch)), x, y),
+        "gv data parallel": _stepper(torch, gv.nn.to_global(_mlp(torch), pl), xd, yd),
+        "gv tensor parallel": _stepper(torch, gv.nn.to_global(_mlp(torch), pl, tp | {"4.bias": S.split(0)}), xb, yb),
+    }
+
+
+def main() -> None:
+    """Start the ranks (when run directly), then time the methods and print the table."""
+    args = _parse()
+    if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
+        from commlib.launch._mpiexec import find_mpiexec
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        raise SystemExit(subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env))
+    import torch
+
+    import commlib
+
+    torch.set_num_threads(1)
+    commlib.init_process_group("mpi")
+    methods = _methods(args)
+    times = _measure(methods, args, commlib)
+    if commlib.get_rank() == 0:
+        _report(times, args)
+    commlib.destroy_process_group()
+
+
+def _measure(methods: dict, args: argparse.Namespace, commlib: Any) -> dict[str, list[float]]:
+    """Per-step seconds of each round (the slower rank's), methods in rotating order."""
+    import numpy as np
+
+    for step in methods.values():  # warm-up: allocations, bucket plans, groups
+        for _ in range(2):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
+    for r in range(args.repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            commlib.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                methods[name]()
+            slowest = np.array([(time.perf_counter() - start) / args.steps])
+            commlib.all_reduce(slowest, op=commlib.ReduceOp.MAX)
+            times[name].append(float(slowest[0]))
+    return times
+
+
+def _report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
+    median = {name: statistics.median(v) for name, v in times.items()}
+    base, ddp_step = median["single process"], median["commlib DDP"]
+    print(f"# training step, 2 ranks, MLP {' -> '.join(map(str, SIZES))} (25.2M float32 parameters)")
+    print(f"# batch {args.batch} per rank, {args.repeats} rounds of {args.steps} steps, median per-step time")
+    print(f"{'method':<20} {'ms/step':>9} {'min':>9} {'vs single':>10} {'vs ddp':>8}")
+    for name, value in median.items():
+        low = min(times[name]) * 1e3
+        print(f"{name:<20} {value * 1e3:>9.1f} {low:>9.1f} {value / base:>9.3f}x {value / ddp_step:>7.3f}x")
+    print(f"# {TARGET}: {median['gv data parallel'] / ddp_step:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
