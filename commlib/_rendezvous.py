@@ -14,8 +14,10 @@ agent store, or one that rank 0 serves at the ``init_method``'s address.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
+import gc
 import itertools
 import os
 import sys
@@ -43,6 +45,7 @@ def make_world(
 ) -> tuple[ProcessGroup, Store | None]:
     """The default group of backend ``name``, and the store to close when the group is destroyed (if any)."""
     info = place(world_size, rank)
+    _skip_the_last_collection()
     if name == "nccl":
         from commlib.backends import nccl
 
@@ -57,6 +60,18 @@ def make_world(
             owned.close()
         raise CommTimeoutError(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
     return _group(backend, timeout), owned
+
+
+@functools.cache
+def _skip_the_last_collection() -> None:
+    """At exit, freeze the heap so the interpreter's final garbage collection skips it.
+
+    With torch loaded that collection takes ~1 s per process, and launchers wait for every rank to
+    exit. Objects are still released by reference counting and module teardown, as at any exit;
+    ``COMMLIB_EXIT_GC=1`` keeps the collection.
+    """
+    if os.environ.get("COMMLIB_EXIT_GC", "0") != "1":
+        atexit.register(gc.freeze)  # atexit runs last in, first out: this runs after handlers added later
 
 
 def place(world_size: int, rank: int) -> LaunchInfo:

@@ -266,13 +266,15 @@ def report_uncaught(kind: type[BaseException], value: BaseException) -> None:
     they saw it, so their errors reach the output before MPI_Abort stops them.
     """
     _flight.dump(f"uncaught {kind.__name__}: {value}")
-    if getattr(value, "commlib_peer_failure", False):
-        _call("add", _REPORTED, 1)
-        time.sleep(_ACK_WAIT + 1.0)  # the failed rank aborts the job once everyone has reported
-        return
     text = f"rank {_state.rank} failed with {kind.__name__}: {value}"[:2000]
-    if _call("compare_set", _FAILED, "", text) != text.encode():
-        _call("add", _REPORTED, 1)  # another rank failed first: it ends the job
+    first = None if getattr(value, "commlib_peer_failure", False) else _call("compare_set", _FAILED, "", text)
+    if _state.dead is not None:
+        return  # no store to coordinate through: end the job now
+    if first != text.encode():
+        # Another rank failed first: it ends the job once everyone has reported (aborting here
+        # as well would stop the ranks still writing their flight records).
+        _call("add", _REPORTED, 1)
+        time.sleep(_ACK_WAIT + 1.0)
         return
     deadline = time.monotonic() + _ACK_WAIT
     while time.monotonic() < deadline and _state.dead is None:
