@@ -2,24 +2,7 @@
 
 from __future__ import annotations
 
-from commlib.buckets.planner import (
-    DEFAULT_BUCKET_CAP_MB,
-    FIRST_BUCKET_MB,
-    MIB,
-    Bucket,
-    BucketPlan,
-    ParamInfo,
-    complete_order,
-    plan_buckets,
-)
+from commlib.buckets import planner as _moved
+from commlib.buckets.planner import *  # noqa: F403 (every public name of the module this one was)
 
-__all__ = [
-    "DEFAULT_BUCKET_CAP_MB",
-    "FIRST_BUCKET_MB",
-    "MIB",
-    "Bucket",
-    "BucketPlan",
-    "ParamInfo",
-    "complete_order",
-    "plan_buckets",
-]
+__all__ = list(_moved.__all__)

@@ -164,15 +164,21 @@ def _all_to_all(ctx: _Ctx, x, step: Step):
     return xp.ascontiguousarray(xp.moveaxis(out, (0, 1), (d, e)))
 
 
-def _slice(ctx: _Ctx, x, step: Step):
+def _piece(ctx: _Ctx, step: Step, d: int) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+    """The block this rank holds before ``step``'s axis is split along ``d``, and the index of its piece in it."""
     pl, k = step.placement, step.axis
     coords = pl.coords(ctx.me)
-    t = block_shape(ctx.shape, pl.hierarchy, without(step.src, k), coords)
-    d = step.dst[k].dim
-    lo, hi = split_range(t[d], pl.hierarchy[k], coords[k])
-    index = [slice(None)] * x.ndim
+    shape = block_shape(ctx.shape, pl.hierarchy, without(step.src, k), coords)
+    lo, hi = split_range(shape[d], pl.hierarchy[k], coords[k])
+    index = [slice(None)] * len(shape)
     index[d] = slice(lo, hi)
-    return ctx.xp.ascontiguousarray(x[tuple(index)])
+    return shape, tuple(index)
+
+
+def _slice(ctx: _Ctx, x, step: Step):
+    """B -> S(i): this rank's piece of the broadcast block."""
+    _, index = _piece(ctx, step, step.dst[step.axis].dim)
+    return ctx.xp.ascontiguousarray(x[index])
 
 
 def _zero(ctx: _Ctx, x, target, c: int):
@@ -188,15 +194,10 @@ def _zero_step(ctx: _Ctx, x, step: Step):
 
 def _fill(ctx: _Ctx, x, step: Step):
     """S(i) -> P: this rank's piece in place, the reduction's identity elsewhere."""
-    pl, k = step.placement, step.axis
-    coords = pl.coords(ctx.me)
-    t = block_shape(ctx.shape, pl.hierarchy, without(step.src, k), coords)
-    d = step.src[k].dim
-    lo, hi = split_range(t[d], pl.hierarchy[k], coords[k])
-    out = ctx.xp.full(t, identity(step.dst[k].reduce, ctx.dtype), ctx.dtype)
-    index = [slice(None)] * len(t)
-    index[d] = slice(lo, hi)
-    out[tuple(index)] = x
+    k = step.axis
+    shape, index = _piece(ctx, step, step.src[k].dim)
+    out = ctx.xp.full(shape, identity(step.dst[k].reduce, ctx.dtype), ctx.dtype)
+    out[index] = x
     return out
 
 

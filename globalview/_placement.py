@@ -9,6 +9,7 @@ import numpy as np
 
 import commlib
 import commlib.groups
+from globalview._frozen import Frozen
 
 __all__ = ["array_module", "placement"]
 
@@ -36,7 +37,7 @@ def array_module(type_: str, call: str) -> ModuleType:
     return np
 
 
-class placement:
+class placement(Frozen):
     """The devices a global tensor lives on: ``type`` ("cpu": numpy arrays; "cuda": the
     nccl backend's device arrays) and ``ranks``, a list or a nested list (an nd mesh).
 
@@ -45,17 +46,13 @@ class placement:
     """
 
     __slots__ = ("_key", "_mesh", "_type")
+    _what = "placements"
 
     def __init__(self, type: str, ranks: Any) -> None:
         if type not in TYPES:
             raise ValueError(f"globalview.placement: type must be one of {TYPES}, got {type!r}")
         mesh = _mesh(ranks)
-        object.__setattr__(self, "_type", type)
-        object.__setattr__(self, "_mesh", mesh)
-        object.__setattr__(self, "_key", (type, mesh.shape, tuple(mesh.ravel().tolist())))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("placements are immutable")
+        self._freeze(type=type, mesh=mesh, key=(type, mesh.shape, tuple(mesh.ravel().tolist())))
 
     @property
     def type(self) -> str:

@@ -11,23 +11,20 @@ Values are small, immutable and hashable; ``str`` gives OneFlow's short form
 
 from __future__ import annotations
 
-from typing import Any
+from globalview._frozen import Frozen
 
 __all__ = ["SbpParallel", "broadcast", "partial_max", "partial_min", "partial_sum", "split"]
 
 
-class SbpParallel:
+class SbpParallel(Frozen):
     """One axis's distribution: kind ``"S"``, ``"B"`` or ``"P"`` (with ``reduce`` ``sum``/``max``/``min``)."""
 
     __slots__ = ("_dim", "_kind", "_reduce")
 
-    def __init__(self, kind: str, dim: int | None = None, reduce: str | None = None) -> None:
-        object.__setattr__(self, "_kind", kind)
-        object.__setattr__(self, "_dim", dim)
-        object.__setattr__(self, "_reduce", reduce)
+    _what = "sbp values"
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("sbp values are immutable")
+    def __init__(self, kind: str, dim: int | None = None, reduce: str | None = None) -> None:
+        self._freeze(kind=kind, dim=dim, reduce=reduce)
 
     @property
     def kind(self) -> str:

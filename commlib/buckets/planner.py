@@ -22,6 +22,7 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "FIRST_BUCKET_MB",
+    "MIB",
     "Bucket",
     "BucketPlan",
     "ParamInfo",
