@@ -295,3 +295,23 @@ def test_mpiexec_command_line() -> None:
     assert mpiexec_command(1, ["a"], prepend_rank=False) == [mpiexec, "-n", "1", "a"]
     with pytest.raises(ValueError):
         mpiexec_command(0, ["a"])
+
+
+UNGUARDED = """
+from commlib.testing import run
+
+def job():
+    return 1
+
+print(run(job, 2, timeout=60))
+"""
+
+
+def test_a_script_without_a_main_guard_gets_an_error_not_workers_without_end(tmp_path: Path) -> None:
+    """Workers load the caller's script; its top-level run() must refuse instead of starting more workers."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "put the script's top-level calls under `if __name__ == '__main__':`" in proc.stderr, proc.stderr[-2000:]

@@ -44,6 +44,7 @@ _WORKER_MODULE = "commlib.testing._worker"
 _SPEC_FILE = "spec.pkl"
 _ARGS_FILE = "args.pkl"
 _LOG_FILE = "output.log"
+WORKER_ENV = "COMMLIB_TESTING_WORKER"  # "loading" while a worker imports the function's module, then "1"
 _OK, _ERROR = "ok", "error"
 
 
@@ -110,6 +111,12 @@ def run(
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` MPI ranks; return the values by rank."""
+    if os.environ.get(WORKER_ENV) == "loading":
+        raise RuntimeError(
+            "commlib.testing.run: called while a worker was importing the module of the function under test, "
+            "which would start workers without end; put the script's top-level calls under "
+            "`if __name__ == '__main__':`"
+        )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not timeout > 0:

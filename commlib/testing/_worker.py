@@ -27,6 +27,7 @@ from commlib.testing import (
     _ERROR,
     _OK,
     _SPEC_FILE,
+    WORKER_ENV,
     _pid_path,
     _result_path,
     _stack_path,
@@ -118,7 +119,11 @@ def _load_call(spec_dir: Path) -> tuple[Callable[..., Any], tuple, dict]:
     for entry in reversed(spec["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    module = _import_module(spec["module"], spec["file"])
+    os.environ[WORKER_ENV] = "loading"  # run() refuses to start workers from here: no recursion without end
+    try:
+        module = _import_module(spec["module"], spec["file"])
+    finally:
+        os.environ[WORKER_ENV] = "1"
     fn: Any = module
     for part in spec["qualname"].split("."):
         fn = getattr(fn, part)
