@@ -36,12 +36,15 @@ _SUM = ReduceOp.SUM  # Enum class attribute access costs ~50 ns; the hot path re
 def _op(op: Any, dtype: np.dtype, g: ProcessGroup, call: str) -> ReduceOp:
     if type(op) is not ReduceOp:
         op = as_reduce_op(op, f"{g.label}{call}")
+    if (op, dtype) in g.reductions:  # checked before on this group
+        return op
     if why := op_error(op, dtype):
         raise TypeError(f"{g.label}{call}: {why}")
     if g.limits is not None and (why := g.limits(dtype, op)):
         raise TypeError(
             f"{g.label}{call}: op={op} on dtype {dtype} is not supported by the {g.backend_name} backend: {why}"
         )
+    g.reductions.add((op, dtype))
     return op
 
 

@@ -50,6 +50,7 @@ class ProcessGroup:
         "pending",
         "rank",
         "ranks",
+        "reductions",
         "seq",
         "size",
         "timeout",
@@ -76,6 +77,7 @@ class ProcessGroup:
         # backend-specific (dtype, op) limits, read only for backends that have some
         overridden = backend is not None and type(backend).unsupported is not Backend.unsupported
         self.limits = backend.unsupported if backend is not None and overridden else None
+        self.reductions: set[tuple[Any, Any]] = set()  # (op, dtype) pairs this group's checks accepted
         # COMMLIB_DEBUG=DETAIL: every collective first checks that all ranks make the same call (diagnostics.debug).
         self.detail = _debug.detail()
         self.fused = backend.fused() if backend is not None else {}  # blocking calls in one step, by kind
@@ -125,8 +127,10 @@ class ProcessGroup:
             if self.pending:
                 self.drain(None, self.timeout)
             if handle.defer():
-                self.seq += 1
-                _ring.end(_ring.start(self, call, dtype, count, self.seq), self, self.seq)  # enqueued = done here
+                self.seq = seq = self.seq + 1
+                t = _now()  # enqueued is done, as far as the host is concerned
+                slot = next(_slots)
+                _starts[slot], _ends[slot] = (self, call, dtype, count, seq, t), t
                 return None
         self.run(call, dtype, count, self.timeout, handle.wait)
         return None

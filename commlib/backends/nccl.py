@@ -12,6 +12,8 @@ Buffers are kept alive by the handle until the event has completed.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,15 +78,30 @@ def check_reduction(dtype: np.dtype, op: ReduceOp) -> str | None:
     return None
 
 
+_check_reduction = functools.lru_cache(maxsize=256)(check_reduction)  # a pure function of a few hashable values
+
+
+_TORCH_TYPES: dict[type, bool] = {}
+
+
+def _from_torch(kind: type) -> bool:
+    """Whether arrays of type ``kind`` are torch tensors (remembered per type: a hot-path check)."""
+    known = _TORCH_TYPES.get(kind)
+    if known is None:
+        known = _TORCH_TYPES[kind] = kind.__module__.startswith("torch")
+    return known
+
+
 class _EventHandle:
     """Completion of enqueued work: an event recorded on the group's stream after it."""
 
-    __slots__ = ("backend", "event", "keep")
+    __slots__ = ("backend", "caller", "event", "keep")
 
-    def __init__(self, backend: NcclBackend, event: Any, keep: tuple) -> None:
+    def __init__(self, backend: NcclBackend, event: Any, keep: tuple, caller: Any) -> None:
         self.backend = backend
         self.event = event  # None while the enclosing NCCL group has not ended
         self.keep = keep  # buffers that must outlive the operation
+        self.caller = caller  # the stream the caller's work was on when it was enqueued (None on the emulator)
 
     def test(self) -> bool:
         if self.event is not None and self.event.done:
@@ -101,7 +118,7 @@ class _EventHandle:
         """Make the caller's current stream wait for this work, without blocking the host."""
         if self.event is None:  # still inside an open NCCL group: nothing recorded to wait on yet
             return False
-        self.backend.caller_stream(self.keep).wait_event(self.event)
+        (self.caller or self.backend.caller_stream(self.keep)).wait_event(self.event)
         return True
 
 
@@ -153,24 +170,27 @@ class NcclBackend(Backend):
 
     def unsupported(self, dtype: np.dtype, op: ReduceOp) -> str | None:
         """What NCCL cannot reduce: bitwise ops, xor on bool, 16-bit integers, complex products."""
-        return check_reduction(dtype, op)
+        return _check_reduction(dtype, op)
 
     # -- plumbing -----------------------------------------------------------------
     def caller_stream(self, keep: tuple = ()) -> Any:
         """The stream the caller's work is on: torch's current stream for torch tensors, else cupy's."""
-        if not self.host and any(type(a).__module__.startswith("torch") for a in keep):
+        if not self.host and any(_from_torch(type(a)) for a in keep):
             import torch
 
             return self.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         return self.cuda.get_current_stream()
 
-    def _enqueue(self, launch: Any, keep: tuple) -> _EventHandle:
+    def _enqueue(self, launch: Callable[..., None], args: tuple, keep: tuple) -> _EventHandle:
+        """Enqueue ``launch(*args, stream)`` on the group's stream, after the caller's work."""
+        caller = None
         if not self.host:  # host code is synchronous: emulated callers have nothing in flight to order after
+            caller = self.caller_stream(keep)
             ready = self.cuda.Event(disable_timing=True)
-            ready.record(self.caller_stream(keep))
+            ready.record(caller)
             self.stream.wait_event(ready)
-        launch(self.stream.ptr)
-        handle = _EventHandle(self, None, keep)
+        launch(*args, self.stream.ptr)
+        handle = _EventHandle(self, None, keep, caller)
         if self._depth:
             self._grouped.append(handle)
         else:
@@ -208,37 +228,37 @@ class NcclBackend(Backend):
         r = s if sendbuf is recvbuf else self._move(recvbuf)[0]
         sptr = address(s)
         rptr = sptr if r is s else address(r)
-        return self._enqueue(lambda st: self.comm.allReduce(sptr, rptr, count, dt, nop, st), (s, r))
+        return self._enqueue(self.comm.allReduce, (sptr, rptr, count, dt, nop), (s, r))
 
     def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int) -> Handle:
         s, count, dt, nop = self._reduce_args(sendbuf, op)
         r = self._move(recvbuf)[0]
-        return self._enqueue(lambda st: self.comm.reduce(address(s), address(r), count, dt, nop, root, st), (s, r))
+        return self._enqueue(self.comm.reduce, (address(s), address(r), count, dt, nop, root), (s, r))
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
         s, _, dt, nop = self._reduce_args(sendbuf, op)
         r, count, _ = self._move(recvbuf)
-        return self._enqueue(lambda st: self.comm.reduceScatter(address(s), address(r), count, dt, nop, st), (s, r))
+        return self._enqueue(self.comm.reduceScatter, (address(s), address(r), count, dt, nop), (s, r))
 
     def broadcast(self, buf: Any, root: int) -> Handle:
         b, count, dt = self._move(buf)
-        return self._enqueue(lambda st: self.comm.bcast(address(b), count, dt, root, st), (b,))
+        return self._enqueue(self.comm.bcast, (address(b), count, dt, root), (b,))
 
     def all_gather(self, sendbuf: Any | None, recvbuf: Any) -> Handle:
         r, total, dt = self._move(recvbuf)
         count = total // self.size
         sptr = address(r) + self.rank * count * r.itemsize if sendbuf is None else address(self._move(sendbuf)[0])
-        return self._enqueue(lambda st: self.comm.allGather(sptr, address(r), count, dt, st), (sendbuf, r))
+        return self._enqueue(self.comm.allGather, (sptr, address(r), count, dt), (sendbuf, r))
 
     def send(self, buf: Any, peer: int, tag: int) -> Handle:
         b, count, dt = self._move(buf)
-        return self._enqueue(lambda st: self.comm.send(address(b), count, dt, peer, st), (b,))
+        return self._enqueue(self.comm.send, (address(b), count, dt, peer), (b,))
 
     def recv(self, buf: Any, peer: int | None, tag: int) -> Handle:
         if peer is None:
             raise ValueError("recv: NCCL cannot receive from any source; pass src")
         b, count, dt = self._move(buf)
-        return self._enqueue(lambda st: self.comm.recv(address(b), count, dt, peer, st), (b,))
+        return self._enqueue(self.comm.recv, (address(b), count, dt, peer), (b,))
 
     def group_start(self) -> None:
         """Open an NCCL group: the p2p calls until ``group_end`` are posted together."""
