@@ -155,6 +155,8 @@ class NcclBackend(Backend):
         self.rank, self.size = comm.rank_id(), comm.size()
         self.bootstrap, self.bootstrap_ranks = bootstrap, bootstrap_ranks or list(range(self.size))
         self.stream = cuda.Stream(non_blocking=True)
+        self._ready = cuda.Event(disable_timing=True)  # marks the caller's work, which ours must follow
+        self._reductions: dict[tuple[Any, ReduceOp], tuple[Any, int, int]] = {}  # (dtype, op) -> (view, type, op)
         self._types = {d: getattr(nccl, n) for d, n in _TYPE_NAMES.items()}
         self._ops = {op: getattr(nccl, n) for op, n in _OP_NAMES.items()}
         self._depth = 0
@@ -175,10 +177,12 @@ class NcclBackend(Backend):
     # -- plumbing -----------------------------------------------------------------
     def caller_stream(self, keep: tuple = ()) -> Any:
         """The stream the caller's work is on: torch's current stream for torch tensors, else cupy's."""
-        if not self.host and any(_from_torch(type(a)) for a in keep):
-            import torch
+        if not self.host:
+            for a in keep:
+                if _TORCH_TYPES.get(type(a)) or (type(a) not in _TORCH_TYPES and _from_torch(type(a))):
+                    import torch
 
-            return self.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+                    return self.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         return self.cuda.get_current_stream()
 
     def _enqueue(self, launch: Callable[..., None], args: tuple, keep: tuple) -> _EventHandle:
@@ -186,9 +190,10 @@ class NcclBackend(Backend):
         caller = None
         if not self.host:  # host code is synchronous: emulated callers have nothing in flight to order after
             caller = self.caller_stream(keep)
-            ready = self.cuda.Event(disable_timing=True)
-            ready.record(caller)
-            self.stream.wait_event(ready)
+            # One event serves every call: a stream waits on the record made before its wait_event, and
+            # later records do not change that (CUDA's cudaStreamWaitEvent semantics).
+            self._ready.record(caller)
+            self.stream.wait_event(self._ready)
         launch(*args, self.stream.ptr)
         handle = _EventHandle(self, None, keep, caller)
         if self._depth:
@@ -215,6 +220,13 @@ class NcclBackend(Backend):
         a, count, dtype = self._move(a)
         return a, count, dtype, self._ops[op]
 
+    def _reduction(self, dtype: Any, op: ReduceOp) -> tuple[Any, int, int]:
+        """(the view NCCL reduces ``dtype`` as, or None; NCCL's datatype; NCCL's op), made once per pair."""
+        view = _MOVE_VIEW.get(dtype)
+        nop = self._ops[_BOOL_OPS[op] if dtype == _BOOL else op]
+        plan = self._reductions[dtype, op] = (view, self._types[dtype if view is None else view], nop)
+        return plan
+
     def raise_async_error(self) -> None:
         """Surface an error NCCL reported asynchronously (a dead peer, an abort) as ``CommError``."""
         try:
@@ -224,11 +236,12 @@ class NcclBackend(Backend):
 
     # -- primitives ---------------------------------------------------------------
     def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
-        s, count, dt, nop = self._reduce_args(sendbuf, op)
-        r = s if sendbuf is recvbuf else self._move(recvbuf)[0]
+        view, dt, nop = self._reductions.get((sendbuf.dtype, op)) or self._reduction(sendbuf.dtype, op)
+        s = sendbuf if view is None else sendbuf.view(view)
+        r = s if sendbuf is recvbuf else recvbuf if view is None else recvbuf.view(view)
         sptr = address(s)
         rptr = sptr if r is s else address(r)
-        return self._enqueue(self.comm.allReduce, (sptr, rptr, count, dt, nop), (s, r))
+        return self._enqueue(self.comm.allReduce, (sptr, rptr, s.size, dt, nop), (s, r))
 
     def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int) -> Handle:
         s, count, dt, nop = self._reduce_args(sendbuf, op)
