@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -168,23 +169,32 @@ class ProcessGroup:
             if work is upto:
                 return
 
-    def test_upto(self, upto: Work) -> bool:
-        """Complete, without blocking, the pending collectives that are done, in issue order."""
+    def test_upto(self, upto: Work, spin: float = 0.0) -> bool:
+        """Complete, without blocking, the pending collectives that are done, in issue order.
+
+        ``spin``: test each for up to that many seconds (MPI moves a transfer only while it is tested).
+        """
         pending = self.pending
         while pending:
             work = pending[0]
-            if not self.complete_if_done(work):
+            if not self.complete_if_done(work, spin):
                 return False
             pending.popleft()
             if work is upto:
                 return True
         return upto.done
 
-    def complete_if_done(self, work: Work) -> bool:
-        """Complete ``work`` if its handle tests done (recorded as :meth:`complete` does); never blocks."""
+    def complete_if_done(self, work: Work, spin: float = 0.0) -> bool:
+        """Complete ``work`` if its handle tests done (recorded as :meth:`complete` does); tests up to ``spin`` s."""
         try:
-            if not work.handle.test():
-                return False
+            test = work.handle.test
+            if not test():
+                if not spin:
+                    return False
+                end = time.monotonic() + spin
+                while not test():
+                    if time.monotonic() > end:
+                        return False
         except BaseException as e:
             self.fail(work.call, work.seq, work.slot, e)
         if work.slot >= 0:
@@ -345,6 +355,17 @@ class Work:
         """True once the operation is complete; never blocks."""
         if not self.done:
             self.done = self.group.test_upto(self) if self.ordered else self.group.complete_if_done(self)
+        return self.done
+
+    def progress(self, seconds: float) -> bool:
+        """As :meth:`is_completed`, but test for up to ``seconds`` first (never raises a timeout).
+
+        For a thread that drives asynchronous work: MPI moves a transfer only while it is
+        tested, one shared-memory cell per test, so a thread that tests between naps moves it slowly.
+        """
+        if not self.done:
+            group = self.group
+            self.done = group.test_upto(self, seconds) if self.ordered else group.complete_if_done(self, seconds)
         return self.done
 
     def source_rank(self) -> int:

@@ -7,7 +7,10 @@ rounded once (moved as 16-bit words otherwise). AVG is SUM followed by one divis
 from __future__ import annotations
 
 import atexit
+import os
+import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -17,7 +20,24 @@ from commlib.arrays import LOW_PRECISION, bfloat16
 from commlib.backends.base import poll
 from commlib.errors import TransportError
 
-__all__ = ["MOVE_TYPE", "REDUCTIONS", "Persistent", "PersistentCache", "Recv", "Req", "average", "settle"]
+__all__ = [
+    "MOVE_TYPE",
+    "PIECE_BYTES",
+    "REDUCTIONS",
+    "Persistent",
+    "PersistentCache",
+    "Pieces",
+    "Recv",
+    "Req",
+    "average",
+    "pieces",
+    "settle",
+]
+
+#: A large in-place reduction runs as pieces of this many bytes, one after the other (COMMLIB_MPI_PIECE_BYTES;
+#: 0: never). MPICH reduces a buffer far larger than the cache 1.3-3x slower in one call than in 2 MiB
+#: pieces (docs/benchmarks.md, "Large all_reduce").
+PIECE_BYTES = int(os.environ.get("COMMLIB_MPI_PIECE_BYTES", str(2 << 20)))
 
 MOVE_TYPE = {
     np.dtype(np.int8): MPI.INT8_T,
@@ -150,6 +170,61 @@ class Recv(Req):
     @property
     def source(self) -> int:
         return self.status.Get_source()
+
+
+def pieces(buf: np.ndarray) -> list[np.ndarray] | None:
+    """``buf`` as consecutive views of :data:`PIECE_BYTES` each, or None when it is small (or not contiguous)."""
+    if not PIECE_BYTES or buf.nbytes < 4 * PIECE_BYTES or not buf.flags.c_contiguous:
+        return None
+    flat, step = buf.reshape(-1), max(PIECE_BYTES // buf.itemsize, 1)
+    return [flat[i : i + step] for i in range(0, flat.size, step)]
+
+
+class Pieces:
+    """A handle over one operation done as a sequence of pieces: ``post(piece)`` starts each when the one before ends.
+
+    Only one piece is in flight at a time (several at once are no faster: MPI progresses them in turn).
+    """
+
+    __slots__ = ("index", "parts", "post", "req")
+
+    def __init__(self, post: Callable[[np.ndarray], MPI.Request], parts: list[np.ndarray]) -> None:
+        self.post, self.parts, self.index = post, parts, 0
+        self.req = post(parts[0])
+
+    def _next(self) -> bool:
+        """The piece in flight completed: post the next one; True when that was the last."""
+        self.index += 1
+        if self.index == len(self.parts):
+            return True
+        self.req = self.post(self.parts[self.index])
+        return False
+
+    def test(self) -> bool:
+        if self.index == len(self.parts):
+            return True
+        try:
+            while self.req.Test():
+                if self._next():
+                    return True
+        except MPI.Exception as e:
+            raise mpi_error(e) from None
+        return False
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.index < len(self.parts):
+            if not settle(self.req, max(deadline - time.monotonic(), 0.0), _abandoned):
+                _abandoned.append(self.parts)  # MPI may still write into the piece in flight
+                return False
+            try:
+                self._next()
+            except MPI.Exception as e:
+                raise mpi_error(e) from None
+        return True
+
+    def defer(self) -> bool:
+        return False  # host memory: the caller waits
 
 
 class Persistent:

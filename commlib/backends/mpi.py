@@ -24,12 +24,15 @@ from commlib.arrays import LOW_PRECISION
 from commlib.backends._mpi import (
     F32,
     MOVE_TYPE,
+    PIECE_BYTES,
     REDUCTIONS,
     Persistent,
     PersistentCache,
+    Pieces,
     Recv,
     Req,
     average,
+    pieces,
     settle,
 )
 from commlib.backends.base import DONE, RESERVED_TAGS, Backend, Chained, Handle
@@ -40,6 +43,7 @@ __all__ = ["MpiBackend"]
 _AVG, _IN_PLACE = ReduceOp.AVG, MPI.IN_PLACE  # enum attribute access costs ~50 ns: keep them in globals
 #: Blocking calls up to this many bytes run as persistent operations (COMMLIB_MPI_PERSISTENT_MAX; 0: never).
 PERSISTENT_MAX = int(os.environ.get("COMMLIB_MPI_PERSISTENT_MAX", str(16 << 10)))
+PIECES_FROM = 4 * PIECE_BYTES if PIECE_BYTES else 1 << 62  # see _mpi.pieces
 
 
 def _equal(counts: list[int]) -> bool:
@@ -115,9 +119,16 @@ class MpiBackend(Backend):
             scratch = sendbuf.astype(F32)
             low = Req(self.comm.Iallreduce(_IN_PLACE, [scratch, t], mop), scratch)
             return Chained(low, functools.partial(self._round, scratch, recvbuf, op))
-        sb = _IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
-        req = Req(self.comm.Iallreduce(sb, [recvbuf, t], mop), (sendbuf, recvbuf))
+        parts = pieces(recvbuf) if sendbuf is recvbuf else None
+        if parts is not None:
+            req: Handle = Pieces(functools.partial(self._all_reduce_piece, t, mop), parts)
+        else:
+            sb = _IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
+            req = Req(self.comm.Iallreduce(sb, [recvbuf, t], mop), (sendbuf, recvbuf))
         return Chained(req, functools.partial(average, recvbuf, self.size)) if op is _AVG else req
+
+    def _all_reduce_piece(self, t: MPI.Datatype, mop: MPI.Op, piece: np.ndarray) -> MPI.Request:
+        return self.comm.Iallreduce(_IN_PLACE, [piece, t], mop)
 
     def reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, root: int) -> Handle:
         dtype = recvbuf.dtype
@@ -217,7 +228,7 @@ class MpiBackend(Backend):
             key = ("all_reduce", recvbuf.shape, recvbuf.dtype, op)
             p = self.persistent.ops.get(key) or self._new_all_reduce(key, recvbuf, op)
             return self._run(key, p, recvbuf, recvbuf, timeout)
-        if sendbuf is not recvbuf or op is _AVG or recvbuf.dtype in LOW_PRECISION:
+        if sendbuf is not recvbuf or op is _AVG or recvbuf.dtype in LOW_PRECISION or recvbuf.nbytes >= PIECES_FROM:
             return self.all_reduce(sendbuf, recvbuf, op).wait(timeout)
         t, mop = REDUCTIONS[recvbuf.dtype, op]
         return settle(self.comm.Iallreduce(_IN_PLACE, [recvbuf, t], mop), timeout, self.abandoned)

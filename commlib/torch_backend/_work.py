@@ -6,8 +6,10 @@ therefore handed to one progress thread per process, which tests the pending
 commlib Works (MPI releases the GIL inside each test) and completes each torch
 Work's future as soon as its commlib Works are done: DDP's bucket all-reduces
 run while backward computes, and DDP's future callbacks run without anybody
-calling ``wait()``. commlib's groups are not thread-safe, so every call into
-commlib from this package holds :data:`LOCK`.
+calling ``wait()``. While a pending op may be moving data the thread tests it
+back to back (MPI moves one shared-memory cell per test); otherwise it naps.
+commlib's groups are not thread-safe, so every call into commlib from this
+package holds :data:`LOCK`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ LOCK = threading.RLock()
 _SPIN_S = 0.0002  # a waiting caller polls without sleeping this long (small messages finish within it)
 _NAP_S = 0.00005  # then, and in the progress thread, it sleeps this long between polls
 _MAX_NAP_S = 0.0008  # the progress thread's longest nap while nothing completes
+# MPI moves a large transfer one shared-memory cell (16 KiB) per test: a thread that naps between
+# tests moves 96 MiB in seconds instead of milliseconds. So the progress thread tests without
+# napping while some pending work may still be moving data: for _BUSY_S, plus the time its bytes
+# take at _SLOW_BYTES_PER_S (a peer that is late past that gets naps again).
+_BUSY_S = 0.05
+_SLOW_BYTES_PER_S = 100e6
+_BURST_S = 0.0005  # such a burst of tests, in seconds (it holds LOCK: new calls wait at most this long)
 _LAST_LOOK_S = 0.001  # past its deadline, a Work gets this last wait in commlib, which then raises its timeout error
 
 
@@ -61,12 +70,13 @@ class TorchWork(dist.Work):
         self._last = works[-1] if works else None
         self._before: Callable[[], None] | None = None  # posts this work first (queued nccl point-to-point)
         self._queue: object = None  # collectives: their group (complete in issue order); None: independent
+        self._busy = _BUSY_S + _nbytes(result) / _SLOW_BYTES_PER_S  # seconds it may keep moving data (_BUSY_S)
 
     def __repr__(self) -> str:
         return f"<commlib TorchWork {self._call} {'completed' if self._done.is_set() else 'pending'}>"
 
-    def _poll(self) -> bool:
-        """Test once (takes the lock); complete the work when its commlib Works are done. True once done."""
+    def _poll(self, spin: float = 0.0) -> bool:
+        """Test (up to ``spin`` s; takes the lock); complete the work once its commlib Works are done; True if done."""
         if self._done.is_set():
             return True
         with LOCK:
@@ -75,7 +85,7 @@ class TorchWork(dist.Work):
             try:
                 if self._before is not None:
                     self._before()
-                while self._works and self._works[0].is_completed():
+                while self._works and (self._works[0].progress(spin) if spin else self._works[0].is_completed()):
                     self._works.pop(0)
                 if self._works and time.monotonic() > self._deadline:
                     self._expire()
@@ -110,8 +120,12 @@ class TorchWork(dist.Work):
         if seconds > 0:
             self._deadline = min(self._deadline, time.monotonic() + seconds)
         start = time.monotonic()
-        while not self._poll():
-            if time.monotonic() - start > _SPIN_S:
+        busy_until = start + self._busy
+        while True:  # test in bursts while data may be moving, then poll between naps
+            now = time.monotonic()
+            if self._poll(_BURST_S if now < busy_until else 0.0):
+                break
+            if now - start > _SPIN_S and now >= busy_until:
                 time.sleep(_NAP_S)
         if self._error is not None:
             raise self._error
@@ -137,6 +151,15 @@ class TorchWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         """A future completed with the output tensors (DDP chains its bucket handling on it)."""
         return self._future
+
+
+def _nbytes(tensors: Any) -> int:
+    """Bytes in a tensor or a (nested) list of tensors."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, (list, tuple)):
+        return sum(_nbytes(t) for t in tensors)
+    return 0
 
 
 class DoneWork(dist.Work):
@@ -176,10 +199,12 @@ class _Progress:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.registered = False
+        self.busy_until = 0.0  # until then pending works may be moving data (see _BUSY_S)
 
     def submit(self, work: TorchWork) -> None:
         with self.wake:
             self.pending.append(work)
+            self.busy_until = max(self.busy_until, time.monotonic() + work._busy)
             if self.thread is None:
                 self.stopping = False
                 self.thread = threading.Thread(target=self._run, name="commlib-torch-progress", daemon=True)
@@ -190,7 +215,23 @@ class _Progress:
             self.wake.notify()
 
     def _run(self) -> None:
-        nap = _NAP_S
+        try:
+            self._loop()
+        except BaseException as e:  # a bug here must not leave torch waiting on futures nobody completes
+            with self.wake:
+                works, self.thread = list(self.pending), None
+                self.pending.clear()
+            for w in works:
+                with LOCK:
+                    if w._claimed:
+                        continue
+                    w._claimed, w._error = True, e
+                w._future.set_exception(e)
+                w._done.set()
+            raise
+
+    def _loop(self) -> None:
+        nap, spin = _NAP_S, 0.0
         while True:
             with self.wake:
                 while not self.pending and not self.stopping:
@@ -198,24 +239,30 @@ class _Progress:
                 if self.stopping:
                     return
                 works = list(self.pending)
-            done = self._sweep(works)
+            done = self._sweep(works, spin)
             with self.wake:
                 for w in done:
                     self.pending.remove(w)
-            # Back off while nothing completes (each test costs the compute threads the GIL and a core);
-            # MPI moves a transfer forward only when tested, so the naps stay short.
+                now = time.monotonic()
+                if done and self.pending:  # the next ones start moving now
+                    self.busy_until = max(self.busy_until, now + max(w._busy for w in self.pending))
+                busy = self.pending and now < self.busy_until
+            spin = _BURST_S if busy else 0.0  # data may be moving: test back to back, in bursts
+            if spin:
+                continue
+            # Back off while nothing completes (each test costs the compute threads the GIL and a core).
             nap = _NAP_S if done else min(nap * 2, _MAX_NAP_S)
             if len(done) < len(works):
                 time.sleep(nap)
 
     @staticmethod
-    def _sweep(works: list[TorchWork]) -> list[TorchWork]:
+    def _sweep(works: list[TorchWork], spin: float) -> list[TorchWork]:
         """Test the works that can complete now: of each group's collectives only the oldest pending one."""
         done, blocked = [], set()
         for w in works:
             if w._queue is not None and id(w._queue) in blocked:
                 continue
-            if w._poll():
+            if w._poll(spin):
                 done.append(w)
             elif w._queue is not None:
                 blocked.add(id(w._queue))
