@@ -143,7 +143,13 @@ class ProcessGroup:
         _starts[slot] = (self, call, dtype, count, seq, _now())
         if self.pending:
             self.drain(None, self.timeout)
-        self.complete(call, seq, slot, timeout, wait, *args)
+        try:  # complete(), inlined: this is the latency of every blocking call
+            if wait(*args, timeout):
+                _ends[slot] = _now()
+                return
+        except BaseException as e:
+            self.fail(call, seq, slot, e)
+        self.timed_out(call, seq, slot, timeout)
 
     def complete(self, call: str, seq: int, slot: int, timeout: float, wait: Callable[..., bool], *args: Any) -> None:
         """Wait (``wait(*args, timeout)``); record the end in ``slot`` (none if < 0); on failure fence and raise."""
@@ -152,11 +158,15 @@ class ProcessGroup:
         except BaseException as e:
             self.fail(call, seq, slot, e)
         if not done:
-            if slot >= 0:
-                _ring.end(slot, self, seq, ok=False)
-            self.fail_timeout(call, seq, timeout)
+            self.timed_out(call, seq, slot, timeout)
         if slot >= 0:
             _ends[slot] = _now()
+
+    def timed_out(self, call: str, seq: int, slot: int, timeout: float) -> NoReturn:
+        """Record call #``seq`` as failed in ``slot`` (none if < 0), fence the group, raise its timeout error."""
+        if slot >= 0:
+            _ring.end(slot, self, seq, ok=False)
+        self.fail_timeout(call, seq, timeout)
 
     def drain(self, upto: Work | None, timeout: float) -> None:
         """Complete pending collectives in issue order, up to and including ``upto`` (all when None)."""
@@ -212,7 +222,7 @@ class ProcessGroup:
             raise self.mismatch(call, seq, slot, err) from err
         raise err
 
-    def fail_timeout(self, call: str, seq: int, timeout: float) -> None:
+    def fail_timeout(self, call: str, seq: int, timeout: float) -> NoReturn:
         """Mark the group broken and raise the ``CommTimeoutError`` that says what was waited for."""
         from commlib._diagnostics import monitor
 

@@ -236,15 +236,20 @@ class Persistent:
     the store is the one rounding.
     """
 
-    __slots__ = ("divide", "recv", "req", "send")
+    __slots__ = ("cache", "divide", "key", "recv", "req", "send")
 
     def __init__(
         self, req: MPI.Prequest, send: np.ndarray | None = None, recv: np.ndarray | None = None, divide: int = 0
     ) -> None:
         self.req, self.send, self.recv, self.divide = req, send, recv, divide
+        self.cache: PersistentCache | None = None  # set by PersistentCache.add
+        self.key: tuple = ()
 
-    def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float, abandoned: list) -> bool:
-        """Copy ``inp`` in, run the operation once (False: ``timeout`` passed), copy the result out to ``out``."""
+    def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float) -> bool:
+        """Copy ``inp`` in, run the operation once (False: ``timeout`` passed), copy the result out to ``out``.
+
+        An operation that timed out leaves its cache: it may still be running, so it is never started again.
+        """
         if inp is not None and self.send is not None:
             self.send[...] = inp
         req = self.req
@@ -255,7 +260,9 @@ class Persistent:
                 if test():
                     break
             else:
-                if not settle(req, timeout, abandoned):
+                if not settle(req, timeout, _abandoned):
+                    if self.cache is not None:
+                        self.cache.forget(self.key)
                     return False
         except MPI.Exception as e:
             raise mpi_error(e) from None
@@ -285,6 +292,7 @@ class PersistentCache:
             oldest = next(iter(self.ops))
             self.ops.pop(oldest).req.Free()
         self.ops[key] = op
+        op.cache, op.key = self, key
         return op
 
     def forget(self, key: tuple) -> None:

@@ -212,12 +212,6 @@ class MpiBackend(Backend):
         """Blocking calls in one step (see :meth:`Backend.fused`): small ones as persistent operations."""
         return self.now
 
-    def _run(self, key: tuple, op: Persistent, inp: Any, out: Any, timeout: float) -> bool:
-        if op.run(inp, out, timeout, self.abandoned):
-            return True
-        self.persistent.forget(key)  # it may still be running: never start it again
-        return False
-
     def _scratch(self, shape: tuple, dtype: np.dtype, reduce: bool = False) -> tuple[np.ndarray, Any]:
         """A scratch buffer for a persistent operation and its MPI buffer spec (float32 to reduce 16-bit floats)."""
         buf = np.empty(shape, F32 if reduce and dtype in LOW_PRECISION else dtype)
@@ -227,7 +221,7 @@ class MpiBackend(Backend):
         if sendbuf is recvbuf and recvbuf.nbytes <= PERSISTENT_MAX:
             key = ("all_reduce", recvbuf.shape, recvbuf.dtype, op)
             p = self.persistent.ops.get(key) or self._new_all_reduce(key, recvbuf, op)
-            return self._run(key, p, recvbuf, recvbuf, timeout)
+            return p.run(recvbuf, recvbuf, timeout)
         if sendbuf is not recvbuf or op is _AVG or recvbuf.dtype in LOW_PRECISION or recvbuf.nbytes >= PIECES_FROM:
             return self.all_reduce(sendbuf, recvbuf, op).wait(timeout)
         t, mop = REDUCTIONS[recvbuf.dtype, op]
@@ -250,7 +244,7 @@ class MpiBackend(Backend):
             req = self.reduce_comm.Reduce_init(_IN_PLACE if mine else spec, spec if mine else None, mop, root)
             divide = self.size if op is _AVG else 0
             p = self.persistent.add(key, Persistent(req, scratch, scratch if mine else None, divide))
-        return self._run(key, p, recvbuf, recvbuf, timeout)
+        return p.run(recvbuf, recvbuf, timeout)
 
     def _broadcast_now(self, buf: np.ndarray, root: int, timeout: float) -> bool:
         if buf.nbytes > PERSISTENT_MAX:
@@ -262,7 +256,7 @@ class MpiBackend(Backend):
             scratch, spec = self._scratch(buf.shape, buf.dtype)
             req = self.broadcast_comm.Bcast_init(spec, root)
             p = self.persistent.add(key, Persistent(req, scratch if mine else None, None if mine else scratch))
-        return self._run(key, p, buf, buf, timeout)
+        return p.run(buf, buf, timeout)
 
     def _all_gather_now(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, timeout: float) -> bool:
         if recvbuf.nbytes > PERSISTENT_MAX:
@@ -279,7 +273,7 @@ class MpiBackend(Backend):
                 send, sspec = self._scratch(sendbuf.shape, recvbuf.dtype)
                 p = Persistent(self.all_gather_comm.Allgather_init(sspec, rspec), send, recv)
             self.persistent.add(key, p)
-        return self._run(key, p, recvbuf if sendbuf is None else sendbuf, recvbuf, timeout)
+        return p.run(recvbuf if sendbuf is None else sendbuf, recvbuf, timeout)
 
     def _reduce_scatter_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, timeout: float) -> bool:
         if sendbuf.nbytes > PERSISTENT_MAX:
@@ -291,7 +285,7 @@ class MpiBackend(Backend):
             recv, rspec = self._scratch(recvbuf.shape, recvbuf.dtype, reduce=True)
             req = self.reduce_scatter_comm.Reduce_scatter_block_init(sspec, rspec, REDUCTIONS[recvbuf.dtype, op][1])
             p = self.persistent.add(key, Persistent(req, send, recv, self.size if op is _AVG else 0))
-        return self._run(key, p, sendbuf, recvbuf, timeout)
+        return p.run(sendbuf, recvbuf, timeout)
 
     def _all_to_all_now(
         self, sbuf: np.ndarray, scounts: list[int], rbuf: np.ndarray, rcounts: list[int], timeout: float
@@ -304,21 +298,21 @@ class MpiBackend(Backend):
             send, sspec = self._scratch(sbuf.shape, rbuf.dtype)
             recv, rspec = self._scratch(rbuf.shape, rbuf.dtype)
             p = self.persistent.add(key, Persistent(self.all_to_all_comm.Alltoall_init(sspec, rspec), send, recv))
-        return self._run(key, p, sbuf, rbuf, timeout)
+        return p.run(sbuf, rbuf, timeout)
 
     def _gather_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, timeout: float) -> bool:
         if sendbuf.nbytes * self.size > PERSISTENT_MAX:
             return self.gather(sendbuf, recvbuf, root).wait(timeout)
         key = ("gather", sendbuf.shape, sendbuf.dtype, root)
         p = self.persistent.ops.get(key) or self._new_rooted(key, sendbuf, root)
-        return self._run(key, p, sendbuf, recvbuf, timeout)
+        return p.run(sendbuf, recvbuf, timeout)
 
     def _scatter_now(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, timeout: float) -> bool:
         if recvbuf.nbytes * self.size > PERSISTENT_MAX:
             return self.scatter(sendbuf, recvbuf, root).wait(timeout)
         key = ("scatter", recvbuf.shape, recvbuf.dtype, root)
         p = self.persistent.ops.get(key) or self._new_rooted(key, recvbuf, root)
-        return self._run(key, p, sendbuf, recvbuf, timeout)
+        return p.run(sendbuf, recvbuf, timeout)
 
     def _new_rooted(self, key: tuple, chunk: np.ndarray, root: int) -> Persistent:
         """Persistent gather (every rank's ``chunk`` to the root's whole) or scatter (the root's whole to chunks)."""
@@ -336,7 +330,7 @@ class MpiBackend(Backend):
             return True
         key = ("barrier",)
         p = self.persistent.ops.get(key) or self.persistent.add(key, Persistent(self.barrier_comm.Barrier_init()))
-        return self._run(key, p, None, None, timeout)
+        return p.run(None, None, timeout)
 
     def _send_now(self, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
         return settle(self.comm.Isend([buf, MOVE_TYPE[buf.dtype]], peer, tag), timeout, self.abandoned)
