@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-TARGET = "target: commlib DDP / torch DDP <= 1.0"
+TARGET = "target: commlib DDP / torch DDP <= 0.8"
 SIZES = (1024, 4096, 4096, 1024)
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "root_rank",
     "check_list",
     "pair",
+    "packed",
     "unpack",
 ]
 
@@ -187,8 +188,44 @@ def all_gather(
     outs = check_list(g, call, "tensor_list", tensor_list, inp, writable=True, count=inp.size)
     if g.detail:
         check_call(g, call, inp)
+    flat = packed(outs)
+    if flat is not None:  # written in place; an input inside it is this rank's chunk (or copied first)
+        send = None if _is_chunk(inp, flat, g.rank) else inp.copy() if g.xp.may_share_memory(flat, inp) else inp
+        return g.issue(call, "all_gather", (send, flat), async_op, inp.dtype, inp.size)
     flat = g.xp.empty(g.size * inp.size, inp.dtype)
     return g.issue(call, "all_gather", (inp, flat), async_op, inp.dtype, inp.size, lambda: unpack(flat, outs))
+
+
+_PACKED_FROM = 64 << 10  # bytes
+
+
+def packed(parts: list[Any]) -> Any | None:
+    """One flat view over ``parts`` when they lie back to back, in order, in one numpy buffer; else None.
+
+    A list such as ``[x[0:n], x[n:2n], ...]`` then needs no staging buffer and no copy: the
+    collective reads or writes it where it is.
+    """
+    first = parts[0] if parts else None
+    if type(first) is not np.ndarray or first.nbytes * len(parts) < _PACKED_FROM:
+        return None  # small lists: staging costs less than finding out
+    owner, at = _owner(first), address(first)
+    start = at
+    for a in parts:
+        if type(a) is not np.ndarray or not a.flags.c_contiguous or a.dtype != first.dtype or address(a) != at:
+            return None
+        if _owner(a) is not owner:
+            return None
+        at += a.nbytes
+    count = (at - start) // first.itemsize
+    flat = first.reshape(-1)
+    return np.lib.stride_tricks.as_strided(flat, (count,), (first.itemsize,), writeable=flat.flags.writeable)
+
+
+def _owner(a: np.ndarray) -> Any:
+    """The object that owns ``a``'s memory (the end of its chain of bases)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a.base if a.base is not None else a
 
 
 def unpack(flat: Any, outs: list[Any]) -> None:
@@ -226,7 +263,11 @@ def reduce_scatter(
     op = _op(op, out.dtype, g, call)
     if g.detail:
         check_call(g, call, out, op)
-    send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins else g.xp.empty(0, out.dtype)
+    send = packed(ins)
+    if send is None:
+        send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins else g.xp.empty(0, out.dtype)
+    elif g.xp.may_share_memory(out, send):
+        send = send.copy()  # as reduce_scatter_tensor: MPI reduces in place only at offset 0
     return g.issue(call, "reduce_scatter", (send, out, op), async_op, out.dtype, send.size)
 
 

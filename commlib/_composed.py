@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import check_list, pair, root_rank, unpack
+from commlib._collectives import check_list, packed, pair, root_rank, unpack
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._world import resolve
@@ -75,11 +75,16 @@ def all_to_all(
     outs = check_list(g, call, "output_tensor_list", output_tensor_list, first, writable=True, like_arg=ref)
     if g.detail:
         check_call(g, call, first, shape=("*",))
-    send = g.xp.concatenate([a.reshape(-1) for a in ins])
-    recv = g.xp.empty(sum(a.size for a in outs), first.dtype)
+    send = packed(ins)
+    if send is None:
+        send = g.xp.concatenate([a.reshape(-1) for a in ins])
+    recv, finish = packed(outs), None
+    if recv is None or g.xp.may_share_memory(recv, send):
+        recv = staging = g.xp.empty(sum(a.size for a in outs), first.dtype)
+        finish = lambda: unpack(staging, outs)  # noqa: E731
     counts = ([a.size for a in ins], [a.size for a in outs])
     args = (send, counts[0], recv, counts[1])
-    return g.issue(call, "all_to_all", args, async_op, send.dtype, send.size, lambda: unpack(recv, outs))
+    return g.issue(call, "all_to_all", args, async_op, send.dtype, send.size, finish)
 
 
 def _rooted(
@@ -114,8 +119,10 @@ def gather(
 ) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
     g, inp, root, outs = _rooted("gather", group, tensor, dst, group_dst, "dst", gather_list, "gather_list")
-    flat = g.xp.empty(g.size * inp.size, inp.dtype) if outs is not None else None
-    finish = None if outs is None else lambda: unpack(flat, outs)
+    flat, finish = (packed(outs) if outs is not None else None), None
+    if outs is not None and (flat is None or g.xp.may_share_memory(flat, inp)):
+        flat = staging = g.xp.empty(g.size * inp.size, inp.dtype)
+        finish = lambda: unpack(staging, outs)  # noqa: E731
     return g.issue("gather", "gather", (inp, flat, root), async_op, inp.dtype, inp.size, finish)
 
 
@@ -129,5 +136,7 @@ def scatter(
 ) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
     g, out, root, ins = _rooted("scatter", group, tensor, src, group_src, "src", scatter_list, "scatter_list")
-    send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins is not None else None
+    send = None if ins is None else packed(ins)
+    if ins is not None and (send is None or g.xp.may_share_memory(send, out)):
+        send = g.xp.concatenate([a.reshape(-1) for a in ins])
     return g.issue("scatter", "scatter", (send, out, root), async_op, out.dtype, out.size)
