@@ -247,11 +247,12 @@ def install_excepthook(abort: Callable[[], None] | None) -> None:
         if issubclass(kind, KeyboardInterrupt):
             return
         sys.stdout.flush()
+        if abort is not None:  # said before the wait below: MPI_Abort can cut off output written just before it
+            sys.stderr.write(f"commlib: uncaught {kind.__name__} on rank {_state.rank}: aborting the job\n")
+            sys.stderr.flush()
         with contextlib.suppress(BaseException):  # the job must end whatever happens
             report_uncaught(kind, value)
         if abort is not None:
-            sys.stderr.write(f"commlib: uncaught {kind.__name__} on rank {_state.rank}: aborting the job\n")
-            sys.stderr.flush()
             abort()
 
     hook._commlib = True  # type: ignore[attr-defined]
