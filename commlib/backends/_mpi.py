@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from commlib._ops import ReduceOp
 from commlib.arrays import LOW_PRECISION, bfloat16
-from commlib.backends.base import poll
+from commlib.backends.base import SLOW_BYTES_PER_S, poll
 from commlib.errors import TransportError
 
 __all__ = [
@@ -102,7 +102,7 @@ def mpi_error(e: MPI.Exception) -> TransportError:
     return TransportError(f"MPI reported an error: {e.Get_error_string()}")
 
 
-def settle(req: MPI.Request, timeout: float, abandoned: list) -> bool:
+def settle(req: MPI.Request, timeout: float, abandoned: list, nbytes: int = 0) -> bool:
     """Wait for ``req`` with a deadline: tight polls first (small messages finish in a few), then :func:`poll`.
 
     A request that times out or is interrupted (e.g. the watchdog reports a failed peer) is put in
@@ -113,7 +113,7 @@ def settle(req: MPI.Request, timeout: float, abandoned: list) -> bool:
         for _ in _FAST_POLLS:
             if test():
                 return True
-        if poll(test, timeout):
+        if poll(test, timeout, nbytes / SLOW_BYTES_PER_S):
             return True
     except MPI.Exception as e:
         raise mpi_error(e) from None
@@ -140,13 +140,22 @@ class Req:
             raise mpi_error(e) from None
 
     def wait(self, timeout: float) -> bool:
-        return settle(self.req, timeout, _abandoned)
+        return settle(self.req, timeout, _abandoned, _nbytes(self.keep))
 
     def defer(self) -> bool:
         return False  # host memory: the caller waits
 
 
 _abandoned: list = []  # requests of handles whose wait gave up (kept referenced for good)
+
+
+def _nbytes(keep: object) -> int:
+    """Bytes of the buffers a request keeps (an array, or a tuple of arrays and Nones)."""
+    if isinstance(keep, np.ndarray):
+        return keep.nbytes
+    if isinstance(keep, tuple):
+        return sum(a.nbytes for a in keep if isinstance(a, np.ndarray))
+    return 0
 
 
 class Recv(Req):
@@ -214,7 +223,7 @@ class Pieces:
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while self.index < len(self.parts):
-            if not settle(self.req, max(deadline - time.monotonic(), 0.0), _abandoned):
+            if not settle(self.req, max(deadline - time.monotonic(), 0.0), _abandoned, self.parts[self.index].nbytes):
                 _abandoned.append(self.parts)  # MPI may still write into the piece in flight
                 return False
             try:

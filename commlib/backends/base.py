@@ -38,7 +38,18 @@ from commlib._ops import ReduceOp
 from commlib.arrays import host_array, to_host
 from commlib.errors import CommError, CommTimeoutError
 
-__all__ = ["DONE", "AllOf", "Backend", "Chained", "Done", "Handle", "Meeting", "MeetingTimeout", "poll"]
+__all__ = [
+    "DONE",
+    "SLOW_BYTES_PER_S",
+    "AllOf",
+    "Backend",
+    "Chained",
+    "Done",
+    "Handle",
+    "Meeting",
+    "MeetingTimeout",
+    "poll",
+]
 
 _SPIN = 32  # polls between clock reads: a clock read costs about as much as a poll
 _YIELD_AFTER = 0.0005  # seconds of pure spinning before yielding the core (ranks may outnumber cores)
@@ -85,15 +96,22 @@ class Handle(Protocol):
         """
 
 
-def poll(test: Callable[[], bool], timeout: float) -> bool:
+#: A wait keeps testing without sleeps while its data may still be moving at this rate (MPI moves a
+#: large transfer only while it is tested, one 16 KiB shared-memory cell per test).
+SLOW_BYTES_PER_S = 100e6
+
+
+def poll(test: Callable[[], bool], timeout: float, busy: float = 0.0) -> bool:
     """Call ``test`` until it returns True (then True) or ``timeout`` seconds pass (then False).
 
     Spins first (the latency of small messages is a few microseconds), then
     yields the core, then sleeps briefly, so a long wait neither adds latency to
-    fast operations nor starves a peer rank sharing the core. Past 0.25 s it
-    also calls :data:`watchdog`, then every half second.
+    fast operations nor starves a peer rank sharing the core. ``busy``: seconds
+    the data may take to move (see :data:`SLOW_BYTES_PER_S`); no sleeps before
+    then. Past 0.25 s it also calls :data:`watchdog`, then every half second.
     """
     start, watch_at = None, _WATCH_AFTER
+    sleep_after = busy if busy > _SLEEP_AFTER else _SLEEP_AFTER
     while True:
         for _ in range(_SPIN):
             if test():
@@ -105,13 +123,13 @@ def poll(test: Callable[[], bool], timeout: float) -> bool:
         waited = now - start
         if waited > timeout:
             return test()
-        if waited > _SLEEP_AFTER:
+        if waited > sleep_after:
             time.sleep(0.0002)
-            if waited > watch_at and watchdog is not None:
-                watch_at = waited + _WATCH_EVERY
-                watchdog(waited)
         elif waited > _YIELD_AFTER:
             os.sched_yield()
+        if waited > watch_at and watchdog is not None:
+            watch_at = waited + _WATCH_EVERY
+            watchdog(waited)
 
 
 class Done:
