@@ -7,8 +7,11 @@ Every rank trains three copies of the same MLP (1024 -> 4096 -> 4096 -> 1024, 25
 parameters, 96 MiB of gradients) on the same per-rank batch: wrapped in ``ddp.DistributedDataParallel``
 (commlib, mpi backend), wrapped in ``torch.nn.parallel.DistributedDataParallel`` (gloo, initialised
 in the same processes with env:// on 127.0.0.1), and bare (no communication: the compute floor).
-A step is forward, MSE loss, backward, SGD step. Methods run in rotating order, ``repeats`` rounds
-of ``steps`` steps each; the table shows the median round's time per step of the slower rank.
+A step is forward, MSE loss, backward, SGD step. "single + all_reduce" is the bound on a
+machine with no core to spare (2 ranks on 2 cores): the bare step, then one commlib all-reduce of
+a 96 MiB buffer, one after the other (both need the same cores, so they cannot overlap). Methods
+run in rotating order, ``repeats`` rounds of ``steps`` steps each; the table shows the median
+round's time per step of the slower rank.
 This is a benchmark, not a test: it prints numbers and never fails on them.
 """
 
@@ -89,8 +92,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, SIZES[0], generator=g), torch.randn(args.batch, SIZES[-1], generator=g)
     view = args.gradient_as_bucket_view
+    single = _stepper(torch, _mlp(torch), x, y)
+    grads = torch.zeros(sum(p.numel() for p in _mlp(torch).parameters()))
+
+    def bound() -> None:
+        """The 2-core bound: a step without communication, then all-reduce every gradient once, not overlapped."""
+        single()
+        commlib.all_reduce(grads)
+
     methods = {
-        "single process": _stepper(torch, _mlp(torch), x, y),
+        "single process": single,
+        "single + all_reduce": bound,
         "commlib DDP": _stepper(torch, ddp.DistributedDataParallel(_mlp(torch), gradient_as_bucket_view=view), x, y),
         "torch DDP (gloo)": _stepper(
             torch, torch.nn.parallel.DistributedDataParallel(_mlp(torch), gradient_as_bucket_view=view), x, y
@@ -135,6 +147,10 @@ def _report(times: dict[str, list[float]], args: argparse.Namespace, params: int
         low = min(times[name]) * 1e3
         print(f"{name:<18} {value * 1e3:>9.1f} {low:>9.1f} {value / base:>9.3f}x {value / torch_ddp:>12.3f}x")
     print(f"# {TARGET}: commlib DDP / torch DDP = {median['commlib DDP'] / torch_ddp:.3f}x")
+    print(
+        f"# bound (single + all_reduce) / torch DDP = {median['single + all_reduce'] / torch_ddp:.3f}x; "
+        f"commlib DDP / bound = {median['commlib DDP'] / median['single + all_reduce']:.3f}x"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"median_s": median, "rounds_s": times, "args": vars(args)}, f, indent=1)
