@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from commlib._diagnostics import flight as _flight
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
@@ -31,6 +32,7 @@ __all__ = [
 ]
 
 
+_now, _starts, _ends, _slots = _flight.now, _flight.ring.starts, _flight.ring.ends, _flight.ring.slots
 _SUM = ReduceOp.SUM  # Enum class attribute access costs ~50 ns; the hot path reads a global
 
 
@@ -103,6 +105,28 @@ def all_reduce(
     # The common case (default group, a writable contiguous numpy array) is checked inline:
     # this function's own overhead is most of a small all_reduce's latency.
     g = _world.world if group is None else group
+    # the hottest call: a ready persistent operation for this shape and dtype (Backend.sums)
+    if (
+        op is _SUM
+        and type(tensor) is np.ndarray
+        and not async_op
+        and type(g) is ProcessGroup
+        and g.sums is not None
+        and not g.pending
+        and tensor.flags.carray
+        and (p := g.sums.get((tensor.shape, tensor.dtype))) is not None
+    ):
+        # ProcessGroup.run(), inlined (one Python frame less is a fifth of this call's cost)
+        g.seq = seq = g.seq + 1
+        slot = next(_slots)
+        _starts[slot] = (g, "all_reduce", tensor.dtype, tensor.size, seq, _now())
+        try:
+            if p.run(tensor, tensor, g.timeout):
+                _ends[slot] = _now()
+                return None
+        except BaseException as e:
+            g.fail("all_reduce", seq, slot, e)
+        g.timed_out("all_reduce", seq, slot, g.timeout)
     if g is None or type(g) is not ProcessGroup or g.broken is not None or g.backend is None:
         g, _ = resolve(group, "all_reduce")
     a = tensor

@@ -54,6 +54,7 @@ class ProcessGroup:
         "reductions",
         "seq",
         "size",
+        "sums",
         "timeout",
         "xp",
     )
@@ -83,6 +84,8 @@ class ProcessGroup:
         self.detail = _debug.detail()
         self.fused = backend.fused() if backend is not None else {}  # blocking calls in one step, by kind
         self.fused_all_reduce = self.fused.get("all_reduce")
+        # the backend's ready in-place SUM all_reduces (Backend.sums); None whenever the group cannot use them
+        self.sums = backend.sums() if backend is not None and self.host and not self.detail else None
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"
@@ -255,13 +258,13 @@ class ProcessGroup:
             f"size of this call, or made different numbers of calls before it ({err}); the group is now unusable"
             + self.dumped(f"engine error in {call} #{seq}")
         )
-        self.broken = out
+        self.broken, self.sums = out, None
         return out
 
     def mark_broken(self, err: BaseException) -> None:
         """Fence the group off: every later call on it raises ``GroupBrokenError`` from ``err``."""
         if self.broken is None:
-            self.broken = err
+            self.broken, self.sums = err, None
             if self.backend is not None:
                 self.backend.abort()
 

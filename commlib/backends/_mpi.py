@@ -293,28 +293,37 @@ class PersistentCache:
     def __init__(self, limit: int = 64) -> None:
         self.limit = limit
         self.ops: dict[tuple, Persistent] = {}
+        #: the in-place SUM all_reduces among ``ops``, by (shape, dtype): see ``Backend.sums``
+        self.sums: dict[tuple, Persistent] = {}
         _caches.add(self)
 
     def add(self, key: tuple, op: Persistent) -> Persistent:
         """Keep ``op`` under ``key``, freeing the oldest operation when the cache is full."""
         if len(self.ops) >= self.limit:
-            oldest = next(iter(self.ops))
-            self.ops.pop(oldest).req.Free()
+            self._drop(next(iter(self.ops))).req.Free()
         self.ops[key] = op
         op.cache, op.key = self, key
+        if key[0] == "all_reduce" and key[3] is ReduceOp.SUM:
+            self.sums[key[1], key[2]] = op
+        return op
+
+    def _drop(self, key: tuple) -> Persistent:
+        op = self.ops.pop(key)
+        if self.sums.get(key[1:3]) is op:
+            del self.sums[key[1:3]]
         return op
 
     def forget(self, key: tuple) -> None:
         """Drop an operation that may still be running (after a timeout): never start or free it again."""
-        op = self.ops.pop(key, None)
-        if op is not None:
-            _abandoned.append(op)
+        if key in self.ops:
+            _abandoned.append(self._drop(key))
 
     def close(self) -> None:
         """Free every operation (none may be running: the group layer waits for its calls)."""
         for op in self.ops.values():
             op.req.Free()
         self.ops.clear()
+        self.sums.clear()
 
 
 _caches: weakref.WeakSet[PersistentCache] = weakref.WeakSet()

@@ -293,6 +293,16 @@ class Backend(abc.ABC):
         """
         return {}
 
+    def sums(self) -> dict[tuple, Any] | None:
+        """Ready blocking in-place SUM all_reduces by ``(shape, dtype)``, each with ``run(inp, out, timeout)``.
+
+        The hottest call in data parallelism, given a lookup of its own: ``run`` behaves as the
+        ``"all_reduce"`` entry of :meth:`fused` called with ``(buf, buf, SUM, timeout)``. The
+        backend adds and removes entries as it makes and frees them (the group layer only reads
+        the dict, and only under :meth:`fused`'s conditions). The default: None (no such lookup).
+        """
+        return None
+
     # -- point to point -------------------------------------------------------------------------
     @abc.abstractmethod
     def send(self, buf: Any, peer: int, tag: int) -> Handle:

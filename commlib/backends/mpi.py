@@ -215,6 +215,9 @@ class MpiBackend(Backend):
         """Blocking calls in one step (see :meth:`Backend.fused`): small ones as persistent operations."""
         return self.now
 
+    def sums(self) -> dict[tuple, Persistent]:
+        return self.persistent.sums
+
     def _scratch(self, shape: tuple, dtype: np.dtype, reduce: bool = False) -> tuple[np.ndarray, Any]:
         """A scratch buffer for a persistent operation and its MPI buffer spec (float32 to reduce 16-bit floats)."""
         buf = np.empty(shape, F32 if reduce and dtype in LOW_PRECISION else dtype)

@@ -1,0 +1,87 @@
+"""The hottest call's own lookup (``Backend.sums``): a blocking in-place SUM all_reduce reruns a ready persistent
+operation by (shape, dtype). The lookup must follow the cache it mirrors (evictions, timeouts) and the group's
+state (broken, destroyed, COMMLIB_DEBUG=DETAIL), or a call would start a freed or abandoned MPI request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from commlib.testing import run
+
+
+def lookup_job() -> list[str]:
+    import commlib as dist
+    from commlib._world import _state
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    g = _state.world
+    cache = g.backend.persistent
+    assert g.sums is cache.sums
+    seen = []
+    # each shape and dtype gets its own entry; repeated calls reuse it and stay correct
+    for shape, dtype in [((2,), np.float32), ((3, 2), np.int64), ((2,), np.float64), ((5,), np.float16)]:
+        for step in range(3):
+            x = np.full(shape, me + step, dtype)
+            dist.all_reduce(x)
+            np.testing.assert_array_equal(x, np.full(shape, sum(range(n)) + n * step, dtype))
+        assert cache.sums[shape, np.dtype(dtype)] is cache.ops["all_reduce", shape, np.dtype(dtype), dist.ReduceOp.SUM]
+        seen.append(f"{np.dtype(dtype).name}{list(shape)}")
+    # other ops and out-of-place calls never enter the lookup
+    y = np.full(2, me + 1, np.float32)
+    dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    assert y.tolist() == [n, n] and len(cache.sums) == 4
+    # eviction: a full cache frees its oldest operation and the lookup forgets it too
+    cache.limit = len(cache.ops)
+    oldest = next(iter(cache.ops))
+    z = np.full(7, me, np.int32)
+    dist.all_reduce(z)
+    assert z.tolist() == [sum(range(n))] * 7
+    assert oldest not in cache.ops and oldest[1:3] not in cache.sums
+    assert set(cache.sums.values()) <= set(cache.ops.values())
+    x = np.full(2, me, np.float32)  # the evicted shape again: made anew, correct
+    dist.all_reduce(x)
+    assert x.tolist() == [sum(range(n))] * 2 and ((2,), np.dtype(np.float32)) in cache.sums
+    # a timeout abandons the operation: gone from the cache and the lookup, group fenced
+    sub = dist.new_group([0, 1], timeout=1.0)
+    if me < 2:
+        sg = sub
+        w = np.ones(3, np.float32)
+        dist.all_reduce(w, group=sg)
+        assert sg.sums[(3,), np.dtype(np.float32)] is not None
+        if me == 0:  # rank 1 never makes this call
+            try:
+                dist.all_reduce(np.ones(4, np.float32), group=sg, async_op=False)
+                dist.all_reduce(w, group=sg)
+            except dist.CommError:
+                seen.append("fenced")
+            else:
+                raise AssertionError("no timeout")
+            assert sg.sums is None and ((4,), np.dtype(np.float32)) not in sg.backend.persistent.sums
+            with pytest.raises(dist.CommError, match="failed earlier"):
+                dist.all_reduce(w, group=sg)
+    dist.barrier()
+    dist.destroy_process_group()
+    assert g.sums is None
+    return seen
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_all_reduce_lookup_follows_its_cache_and_the_group(n: int) -> None:
+    out = run(lookup_job, n, timeout=120)
+    base = ["float32[2]", "int64[3, 2]", "float64[2]", "float16[5]"]
+    assert out == [[*base, "fenced"]] + [base] * (n - 1)
+
+
+def detail_job() -> bool:
+    import commlib as dist
+    from commlib._world import _state
+
+    x = np.ones(2, np.float32)
+    dist.all_reduce(x)
+    assert x.tolist() == [dist.get_world_size()] * 2
+    return _state.world.sums is None
+
+
+def test_detail_mode_checks_every_call_so_it_has_no_lookup() -> None:
+    assert run(detail_job, 2, timeout=60, env={"COMMLIB_DEBUG": "DETAIL"}) == [True, True]
