@@ -117,6 +117,7 @@ class DistributedDataParallel(torch.nn.Module):
             bucket_cap_mb=bucket_cap_mb,
             find_unused=find_unused,
             trace=self._tracer,
+            in_place=not self.gradient_as_bucket_view,  # large gradients averaged in .grad itself
         )
         self._init_hooks()
 
@@ -236,7 +237,7 @@ class DistributedDataParallel(torch.nn.Module):
                         p.grad = view
                 elif p.grad is None:
                     p.grad = view.clone()
-                else:
+                elif view is not p.grad:  # else averaged in place (Reducer in_place)
                     p.grad.copy_(view)
 
     def _unused_message(self, missing: list[int]) -> str:

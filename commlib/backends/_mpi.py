@@ -193,21 +193,31 @@ class Pieces:
     """A handle over one operation done as a sequence of pieces: ``post(piece)`` starts each when the one before ends.
 
     Only one piece is in flight at a time (several at once are no faster: MPI progresses them in turn).
+    ``finish(piece)``, if given, runs on each piece once it is complete (after the next one is
+    posted), while the piece is still in the cache: e.g. AVG's division.
     """
 
-    __slots__ = ("index", "parts", "post", "req")
+    __slots__ = ("finish", "index", "parts", "post", "req")
 
-    def __init__(self, post: Callable[[np.ndarray], MPI.Request], parts: list[np.ndarray]) -> None:
-        self.post, self.parts, self.index = post, parts, 0
+    def __init__(
+        self,
+        post: Callable[[np.ndarray], MPI.Request],
+        parts: list[np.ndarray],
+        finish: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
+        self.post, self.parts, self.index, self.finish = post, parts, 0, finish
         self.req = post(parts[0])
 
     def _next(self) -> bool:
         """The piece in flight completed: post the next one; True when that was the last."""
+        done = self.parts[self.index]
         self.index += 1
-        if self.index == len(self.parts):
-            return True
-        self.req = self.post(self.parts[self.index])
-        return False
+        last = self.index == len(self.parts)
+        if not last:
+            self.req = self.post(self.parts[self.index])
+        if self.finish is not None:
+            self.finish(done)
+        return last
 
     def test(self) -> bool:
         if self.index == len(self.parts):

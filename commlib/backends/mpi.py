@@ -121,11 +121,11 @@ class MpiBackend(Backend):
             low = Req(self.comm.Iallreduce(_IN_PLACE, [scratch, t], mop), scratch)
             return Chained(low, functools.partial(self._round, scratch, recvbuf, op))
         parts = pieces(recvbuf) if sendbuf is recvbuf else None
-        if parts is not None:
-            req: Handle = Pieces(functools.partial(self._all_reduce_piece, t, mop), parts)
-        else:
-            sb = _IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
-            req = Req(self.comm.Iallreduce(sb, [recvbuf, t], mop), (sendbuf, recvbuf))
+        if parts is not None:  # AVG divides each piece as it completes, while it is in the cache
+            finish = functools.partial(average, n=self.size) if op is _AVG else None
+            return Pieces(functools.partial(self._all_reduce_piece, t, mop), parts, finish)
+        sb = _IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
+        req = Req(self.comm.Iallreduce(sb, [recvbuf, t], mop), (sendbuf, recvbuf))
         return Chained(req, functools.partial(average, recvbuf, self.size)) if op is _AVG else req
 
     def _all_reduce_piece(self, t: MPI.Datatype, mop: MPI.Op, piece: np.ndarray) -> MPI.Request:

@@ -16,7 +16,18 @@ import numpy as np
 from commlib import arrays
 from commlib.buckets.planner import ParamInfo
 
-__all__ = ["as_array", "copy_into", "describe", "flat_view", "is_inexact", "scale", "scale_into", "zero", "zeros_like"]
+__all__ = [
+    "as_array",
+    "copy_into",
+    "describe",
+    "flat_view",
+    "is_inexact",
+    "like",
+    "scale",
+    "scale_into",
+    "zero",
+    "zeros_like",
+]
 
 
 def _is_torch(a: Any) -> bool:
@@ -90,6 +101,22 @@ def scale(dst: Any, factor: float) -> None:
     """``dst *= factor`` in place (nothing when ``factor == 1``)."""
     if factor != 1:
         dst *= factor
+
+
+def like(a: Any, view: Any) -> bool:
+    """True when ``a`` can stand in for ``view`` (reduced where it is): same family, dtype, shape and
+    device, C-contiguous and writable."""
+    if type(a) is not type(view) or a.dtype != view.dtype or tuple(a.shape) != tuple(view.shape):
+        return False
+    if _is_torch(a):
+        return bool(a.is_contiguous()) and a.device == view.device and not a.requires_grad
+    flags = getattr(a, "flags", None)
+    return (
+        flags is not None
+        and bool(flags.c_contiguous)
+        and bool(getattr(flags, "writeable", True))
+        and (str(getattr(a, "device", "cpu")) == str(getattr(view, "device", "cpu")))
+    )
 
 
 def zero(dst: Any) -> None:

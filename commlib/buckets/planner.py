@@ -11,6 +11,12 @@ early), later ones once they hold ``bucket_cap_mb`` (25 MiB by default); a bucke
 own. Buckets are numbered by the position of their first parameter in the walk. After the
 first iteration the plan is rebuilt from the order gradients actually became ready
 (:func:`complete_order` turns a partial ready order into the walk).
+
+With ``lone_mb`` (off by default; :class:`~commlib.buckets.reducer.Reducer` sets it when it
+reduces gradients in place) a parameter of that many MiB or more gets a bucket of its own
+and the smaller ones around it go on filling the open bucket; buckets are then numbered by
+the position of their *last* parameter (the moment they become complete), so a bucket of
+small parameters collected across the walk does not hold back the large ones after it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "FIRST_BUCKET_MB",
+    "LONE_MB",
     "MIB",
     "Bucket",
     "BucketPlan",
@@ -33,6 +40,7 @@ __all__ = [
 MIB = 1 << 20
 DEFAULT_BUCKET_CAP_MB = 25.0
 FIRST_BUCKET_MB = 1.0
+LONE_MB = 4.0  # the Reducer's lone_mb when it reduces gradients in place
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +127,7 @@ def plan_buckets(
     bucket_cap_mb: float | None = None,
     first_bucket_mb: float | None = FIRST_BUCKET_MB,
     order: Sequence[int] | None = None,
+    lone_mb: float | None = None,
 ) -> BucketPlan:
     """Assign parameters to buckets (see the module docstring for the rule).
 
@@ -128,6 +137,7 @@ def plan_buckets(
         first_bucket_mb: cap of the first bucket of each (dtype, device); never above
             ``bucket_cap_mb``; ``None`` means the same as ``bucket_cap_mb``.
         order: the walk over parameter indices; default reverse registration order.
+        lone_mb: parameters of at least this many MiB get a bucket of their own (None: off).
 
     Raises:
         ValueError: a cap is not a positive number, or ``order`` is not a permutation.
@@ -137,13 +147,17 @@ def plan_buckets(
     cap = _limit_bytes(bucket_cap_mb, "bucket_cap_mb", DEFAULT_BUCKET_CAP_MB)
     first = cap if first_bucket_mb is None else min(cap, _limit_bytes(first_bucket_mb, "first_bucket_mb", 1.0))
     walk = list(range(len(params)))[::-1] if order is None else _check_order(order, len(params))
-    groups = _fill(params, walk, first, cap)
+    lone = None if lone_mb is None else _limit_bytes(lone_mb, "lone_mb", LONE_MB)
+    groups = _fill(params, walk, first, cap, lone)
     position = {p: i for i, p in enumerate(walk)}
-    groups.sort(key=lambda members: position[members[0]])
+    end = 0 if lone is None else -1  # with lone buckets: by when a bucket completes (see the module docstring)
+    groups.sort(key=lambda members: position[members[end]])
     return _layout(params, groups)
 
 
-def _fill(params: Sequence[ParamInfo], walk: Iterable[int], first: int, cap: int) -> list[list[int]]:
+def _fill(
+    params: Sequence[ParamInfo], walk: Iterable[int], first: int, cap: int, lone: int | None = None
+) -> list[list[int]]:
     """Walk the parameters, filling one open bucket per (dtype, device); close a bucket at its cap."""
     closed: list[list[int]] = []
     open_: dict[tuple[str, str], list[int]] = {}
@@ -151,6 +165,10 @@ def _fill(params: Sequence[ParamInfo], walk: Iterable[int], first: int, cap: int
     started: set[tuple[str, str]] = set()  # keys whose first bucket has closed
     for p in walk:
         key = params[p].key
+        if lone is not None and params[p].nbytes >= lone:
+            closed.append([p])
+            started.add(key)
+            continue
         open_.setdefault(key, []).append(p)
         size[key] = size.get(key, 0) + params[p].nbytes
         if size[key] >= (cap if key in started else first):

@@ -40,7 +40,7 @@ from typing import Any
 
 import commlib
 from commlib.buckets import _arrays
-from commlib.buckets.planner import FIRST_BUCKET_MB, BucketPlan, complete_order, plan_buckets
+from commlib.buckets.planner import FIRST_BUCKET_MB, LONE_MB, BucketPlan, complete_order, plan_buckets
 from commlib.buckets.trace import COMM, COMPUTE, Tracer, tracer_for
 
 __all__ = ["Comm", "Reducer", "average_all_reduce"]
@@ -75,6 +75,11 @@ class Reducer:
         comm: starts one bucket's reduction and averages it (see :data:`Comm`); by default
             gradients are scaled by 1/world_size into the buckets and summed by ``all_reduce``.
         trace: a Chrome-trace file path (default ``$COMMLIB_DDP_TRACE``) or a :class:`Tracer`.
+        in_place: a gradient of :data:`~commlib.buckets.planner.LONE_MB` MiB or more gets a bucket
+            of its own and is averaged where it is: :meth:`ready` keeps the array it is given
+            (no copy into a bucket), the all-reduce writes into it (``ReduceOp.AVG``, or ``comm``)
+            and :meth:`finalize` returns that very array. For callers that own the gradient and
+            want the average in it (``ddp.DistributedDataParallel`` sets it); off by default.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class Reducer:
         rebuild: bool = True,
         comm: Comm | None = None,
         trace: str | os.PathLike[str] | Tracer | None = None,
+        in_place: bool = False,
     ) -> None:
         self.group = group
         self.rank = commlib.get_rank(group)
@@ -98,6 +104,9 @@ class Reducer:
         self.names = self._check_names(names, len(self._arrays))
         self._infos = [_arrays.describe(a, n) for a, n in zip(self._arrays, self.names, strict=True)]
         self._caps = (bucket_cap_mb, first_bucket_mb)
+        self.in_place = bool(in_place)
+        self._lone_mb = LONE_MB if self.in_place else None
+        self._own: dict[int, Any] = {}  # bucket -> the gradient reduced in place this iteration (in_place)
         self.find_unused = bool(find_unused)
         self._rebuild_pending = bool(rebuild)
         self._comm: Comm = self._sum
@@ -107,7 +116,7 @@ class Reducer:
         self.tracer = trace if isinstance(trace, Tracer) else tracer_for(trace, self.rank)
         self.globally_used = [True] * len(self._arrays)
         self._scratch: list[Any] | None = None
-        self._install(plan_buckets(self._infos, *self._caps), keep=False)
+        self._install(plan_buckets(self._infos, *self._caps, lone_mb=self._lone_mb), keep=False)
         self._reset()
 
     def set_comm(self, comm: Comm | None) -> None:
@@ -120,7 +129,10 @@ class Reducer:
         self._scale = 1.0 / self.world_size if comm is None else 1.0
 
     def _sum(self, index: int, buffer: Any) -> Any:
-        """The default reduction: the gradients in ``buffer`` are already divided by the world size."""
+        """The default reduction: the gradients in ``buffer`` are already divided by the world size
+        (a gradient reduced in place is not: it is averaged by the all-reduce, piece by piece)."""
+        if index in self._own:
+            return commlib.all_reduce(buffer, op=commlib.ReduceOp.AVG, group=self.group, async_op=True)
         return commlib.all_reduce(buffer, group=self.group, async_op=True)
 
     # -- construction ------------------------------------------------------------------
@@ -155,6 +167,8 @@ class Reducer:
                 _arrays.copy_into(new, previous)
         self._bucket_of = [plan.bucket_of(p) for p in range(len(self._arrays))]
         self._sizes = [len(b.params) for b in plan.buckets]
+        lone = self.in_place and self._lone_mb is not None
+        self._alone = [lone and len(b.params) == 1 and b.nbytes >= LONE_MB * (1 << 20) for b in plan.buckets]
         self._scratch = None
 
     def _reset(self) -> None:
@@ -163,6 +177,7 @@ class Reducer:
         self._used = bytearray(len(self._arrays))
         self._pending = list(self._sizes)
         self._next = 0  # the next bucket to issue
+        self._own = {}
         self._flights: list[list[Any]] = []  # [name, handle, buffer, issue time, end time or None]
         self._seen = 0  # flights before this one were seen complete
         self._order = []
@@ -187,7 +202,11 @@ class Reducer:
                 f"{self._label}.ready: grad for {self.names[index]!r} must have shape "
                 f"{tuple(view.shape)}, got {tuple(grad.shape)}"
             )
-        _arrays.scale_into(view, grad, self._scale)
+        bucket = self._bucket_of[index]
+        if self._alone[bucket] and _arrays.like(grad, view):
+            self._own[bucket] = grad  # reduced where it is (see in_place)
+        else:
+            _arrays.scale_into(view, grad, self._scale)
         self._mark(index, used)
 
     def _check_index(self, index: int, call: str) -> None:
@@ -224,7 +243,8 @@ class Reducer:
     def _issue_ready(self) -> None:
         """Issue complete buckets in index order, stopping at the first incomplete one."""
         while self._next < len(self.buffers) and self._pending[self._next] == 0:
-            self._issue(self._next, self.buffers[self._next])
+            own = self._own.get(self._next)  # a gradient reduced in place, seen flat as a bucket is
+            self._issue(self._next, self.buffers[self._next] if own is None else own.reshape(-1))
             self._next += 1
 
     def _issue(self, index: int, buffer: Any) -> None:
@@ -266,11 +286,14 @@ class Reducer:
         if used_map is not None:
             self.globally_used = [float(v) > 0 for v in used_map.tolist()]
         order, flights = self._order, self._flights
+        views = list(self.views)
+        for bucket, grad in self._own.items():
+            views[self.plan.buckets[bucket].params[0]] = grad
         self._reset()
         if self._rebuild_pending:
             self._rebuild(order)
         self._trace("finalize", start, flights)
-        return list(self.views)
+        return views
 
     def _issue_used_map(self) -> Any:
         """All-reduce which parameters any rank used, after the buckets (same order everywhere)."""
@@ -313,7 +336,8 @@ class Reducer:
     def _rebuild(self, order: list[int]) -> None:
         """Adopt rank 0's plan from the order gradients became ready in the first iteration."""
         self._rebuild_pending = False
-        plan = plan_buckets(self._infos, *self._caps, order=complete_order(order, len(self._infos)))
+        walk = complete_order(order, len(self._infos))
+        plan = plan_buckets(self._infos, *self._caps, order=walk, lone_mb=self._lone_mb)
         box: list[Any] = [plan if order else None]  # a rank that only shadowed has no order to offer
         if self.world_size > 1:
             commlib.broadcast_object_list(box, group=self.group, group_src=0)
