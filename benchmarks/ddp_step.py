@@ -109,8 +109,10 @@ def main() -> None:
         ),
     }
     times = _measure(methods, args, commlib)
+    parts = _breakdown(torch, ddp, commlib, x, y, view)
     if rank == 0:
         _report(times, args, sum(p.numel() for p in _mlp(torch).parameters()))
+        print(parts)
     tdist.destroy_process_group()
     commlib.destroy_process_group()
 
@@ -134,6 +136,52 @@ def _measure(methods: dict, args: argparse.Namespace, commlib: Any) -> dict[str,
             commlib.all_reduce(slowest, op=commlib.ReduceOp.MAX)
             times[name].append(float(slowest[0]))
     return times
+
+
+def _breakdown(torch: Any, ddp: Any, commlib: Any, x: Any, y: Any, view: bool, steps: int = 6) -> str:
+    """Where commlib DDP's step goes (this rank, mean over ``steps``), from timers and the DDP's trace."""
+    import tempfile
+
+    from commlib.buckets.trace import COMM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        model = ddp.DistributedDataParallel(_mlp(torch), gradient_as_bucket_view=view, trace=trace)
+        tracer = model._tracer  # its file: trace.rank<r>.json
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        timed = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        for i in range(steps + 2):  # the first two are warm-up (allocation, the bucket rebuild)
+            commlib.barrier()
+            t0 = time.perf_counter()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            t1 = time.perf_counter()
+            optimizer.zero_grad()
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            if i == 1:
+                tracer.flush()
+                skip = len(json.loads(tracer.path.read_text()))
+            elif i > 1:
+                for name, dt in zip(timed, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                    timed[name] += dt / steps
+        tracer.close()
+        events = json.loads(tracer.path.read_text())[skip:]
+    span = {name: sum(e["dur"] for e in events if e["name"] == name) / steps / 1e3 for name in ("backward", "finalize")}
+    comm = [e for e in events if e["tid"] == COMM]
+    in_flight = sum(e["dur"] for e in comm) / steps / 1e3
+    backward = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "backward"]
+    overlap = (
+        sum(max(0.0, min(c["ts"] + c["dur"], b1) - max(c["ts"], b0)) for c in comm for b0, b1 in backward) / steps / 1e3
+    )
+    ms = {k: v * 1e3 for k, v in timed.items()}
+    return (
+        f"# commlib DDP breakdown (rank {commlib.get_rank()}, mean of {steps} steps, ms): forward {ms['forward']:.1f}, "
+        f"backward {ms['backward']:.1f} (gradients and their hooks {span['backward']:.1f}, then finalize "
+        f"{span['finalize']:.1f}: waiting for the last all-reduces, writing .grad), optimizer {ms['optimizer']:.1f}; "
+        f"{len(comm) // steps} all-reduces per step in flight {in_flight:.1f} ms, {overlap:.1f} of them during backward"
+    )
 
 
 def _report(times: dict[str, list[float]], args: argparse.Namespace, params: int) -> None:
