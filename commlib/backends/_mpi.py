@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from commlib._ops import ReduceOp
 from commlib.arrays import LOW_PRECISION, bfloat16
+from commlib.backends._waker import waker
 from commlib.backends.base import SLOW_BYTES_PER_S, poll
 from commlib.errors import TransportError
 
@@ -38,6 +39,11 @@ __all__ = [
 #: 0: never). MPICH reduces a buffer far larger than the cache 1.3-3x slower in one call than in 2 MiB
 #: pieces (docs/benchmarks.md, "Large all_reduce").
 PIECE_BYTES = int(os.environ.get("COMMLIB_MPI_PIECE_BYTES", str(2 << 20)))
+#: A wait for this many bytes or more blocks in MPI itself (:mod:`commlib.backends._waker`) while its
+#: data may be moving: MPI progresses a transfer faster in its own loop than under repeated tests
+#: (COMMLIB_MPI_BLOCK_FROM; 0: never).
+BLOCK_FROM = int(os.environ.get("COMMLIB_MPI_BLOCK_FROM", str(64 << 10)))
+_BLOCK_MAX = 0.25  # seconds at most in the blocking phase (then poll(): naps and the watchdog)
 
 MOVE_TYPE = {
     np.dtype(np.int8): MPI.INT8_T,
@@ -109,11 +115,20 @@ def settle(req: MPI.Request, timeout: float, abandoned: list, nbytes: int = 0) -
     ``abandoned`` with what it references, since MPI may still write into its buffers.
     """
     test = req.Test
+    busy = nbytes / SLOW_BYTES_PER_S
     try:
+        if nbytes >= BLOCK_FROM > 0 and (w := waker()) is not None:
+            start = time.monotonic()
+            done = w.wait(req, min(timeout, busy, _BLOCK_MAX))
+            if done:
+                return True
+            if done is not None:
+                spent = time.monotonic() - start
+                timeout, busy = max(timeout - spent, 0.0), max(busy - spent, 0.0)
         for _ in _FAST_POLLS:
             if test():
                 return True
-        if poll(test, timeout, nbytes / SLOW_BYTES_PER_S):
+        if poll(test, timeout, busy):
             return True
     except MPI.Exception as e:
         raise mpi_error(e) from None

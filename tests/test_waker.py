@@ -1,0 +1,125 @@
+"""Blocking MPI waits with a deadline (commlib.backends._waker): a large wait blocks inside MPI and a helper
+thread wakes it when its time is up. It must return at completion, return False at the deadline with the
+request still pending (and still completable), survive a late wake-up, refuse a second blocked thread, and
+stay off when ranks outnumber cores (a rank spinning in MPI would starve the one sharing its core)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from commlib.testing import run
+
+CORES = len(os.sched_getaffinity(0))
+
+
+def waker_job() -> list[str]:
+    import threading
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import commlib as dist
+    from commlib.backends._waker import waker
+
+    me = dist.get_rank()
+    w = waker()
+    assert w is not None
+    comm = MPI.COMM_WORLD.Dup()
+    seen = []
+    buf = np.zeros(1 << 18, np.float32)  # 1 MiB
+    if me == 0:
+        # completes: rank 1 sends after 0.3 s
+        req = comm.Irecv(buf, 1, 1)
+        t = time.monotonic()
+        assert w.wait(req, 5.0) is True and 0.25 < time.monotonic() - t < 3.0
+        assert buf[0] == 1.0 and w.due == 0.0
+        seen.append("completed")
+        # the deadline: rank 1 sends only when told; the request stays pending and completes later
+        req = comm.Irecv(buf, 1, 2)
+        t = time.monotonic()
+        assert w.wait(req, 0.2) is False
+        assert 0.19 < time.monotonic() - t < 1.0 and not req.Test()
+        comm.send(b"go", 1, 3)
+        req.Wait()
+        assert buf[0] == 2.0
+        seen.append("deadline")
+        # a second thread cannot block while one does; it is told to poll (None)
+        req = comm.Irecv(buf, 1, 4)
+        other: list = []
+        th = threading.Thread(target=lambda: other.append(w.wait(MPI.REQUEST_NULL, 1.0)))
+        blocked = threading.Thread(target=lambda: other.append(w.wait(req, 5.0)))
+        blocked.start()
+        time.sleep(0.1)
+        th.start()
+        th.join()
+        comm.send(b"go", 1, 5)
+        blocked.join()
+        assert other == [None, True] and buf[0] == 3.0
+        seen.append("one-thread")
+        # many short waits that complete near their deadline: late wake-ups are absorbed
+        for i in range(20):
+            req = comm.Irecv(buf, 1, 6)
+            done = w.wait(req, 0.01)
+            if not done:
+                req.Wait()
+            assert buf[0] == 10.0 + i
+        seen.append("late-wakeups")
+    else:
+        time.sleep(0.3)
+        comm.Send(np.ones_like(buf), 0, 1)
+        comm.recv(source=0, tag=3)
+        comm.Send(np.full_like(buf, 2.0), 0, 2)
+        comm.recv(source=0, tag=5)
+        comm.Send(np.full_like(buf, 3.0), 0, 4)
+        for i in range(20):
+            time.sleep(0.01 * (i % 3) / 2)
+            comm.Send(np.full_like(buf, 10.0 + i), 0, 6)
+    comm.Free()
+    return seen
+
+
+@pytest.mark.skipif(CORES < 2, reason="the waker needs a core per rank")
+def test_a_blocking_wait_ends_at_completion_or_at_its_deadline() -> None:
+    assert run(waker_job, 2, timeout=120) == [["completed", "deadline", "one-thread", "late-wakeups"], []]
+
+
+def timeout_job() -> str:
+    import time
+
+    import numpy as np
+
+    import commlib as dist
+    from commlib.backends._waker import waker
+
+    me = dist.get_rank()
+    sub = dist.new_group([0, 1], timeout=1.0)
+    x = np.ones(1 << 20, np.float32)  # 4 MiB: its wait blocks in MPI first
+    if me == 0:  # rank 1 never makes this call
+        t = time.monotonic()
+        with pytest.raises(dist.CommTimeoutError, match="all_reduce"):
+            dist.all_reduce(x, group=sub)
+        took = time.monotonic() - t
+        assert 0.9 < took < 3.0, took
+        assert waker() is not None and waker().due == 0.0  # type: ignore[union-attr]
+    dist.barrier()
+    return "ok"
+
+
+@pytest.mark.skipif(CORES < 2, reason="the waker needs a core per rank")
+def test_a_large_collective_whose_peer_never_comes_times_out_on_time() -> None:
+    assert run(timeout_job, 2, timeout=120) == ["ok", "ok"]
+
+
+def oversubscribed_job() -> bool:
+    import commlib as dist  # noqa: F401  (initialises MPI)
+    from commlib.backends._waker import waker
+
+    return waker() is None
+
+
+def test_no_blocking_waits_when_ranks_outnumber_cores() -> None:
+    n = CORES + 1
+    assert run(oversubscribed_job, n, timeout=120) == [True] * n
