@@ -60,6 +60,19 @@ def lookup_job() -> list[str]:
             assert sg.sums is None and ((4,), np.dtype(np.float32)) not in sg.backend.persistent.sums
             with pytest.raises(dist.CommError, match="failed earlier"):
                 dist.all_reduce(w, group=sg)
+    # the same on a call the lookup itself runs (its shape is ready): it times out, forgets, fences
+    sub2 = dist.new_group([0, 1], timeout=1.0)
+    if me < 2:
+        v = np.ones(6, np.float32)
+        dist.all_reduce(v, group=sub2)
+        ready = sub2.sums[(6,), np.dtype(np.float32)]
+        if me == 0:  # rank 1 makes one call fewer
+            v[:] = 5
+            with pytest.raises(dist.CommTimeoutError, match="all_reduce"):
+                dist.all_reduce(v, group=sub2)
+            assert v.tolist() == [5] * 6  # a failed call leaves the buffer untouched
+            assert sub2.sums is None and ready not in sub2.backend.persistent.sums.values()
+            seen.append("fast path fenced")
     dist.barrier()
     dist.destroy_process_group()
     assert g.sums is None
@@ -70,7 +83,7 @@ def lookup_job() -> list[str]:
 def test_the_all_reduce_lookup_follows_its_cache_and_the_group(n: int) -> None:
     out = run(lookup_job, n, timeout=120)
     base = ["float32[2]", "int64[3, 2]", "float64[2]", "float16[5]"]
-    assert out == [[*base, "fenced"]] + [base] * (n - 1)
+    assert out == [[*base, "fenced", "fast path fenced"]] + [base] * (n - 1)
 
 
 def detail_job() -> bool:

@@ -7,6 +7,7 @@ rounded once (moved as 16-bit words otherwise). AVG is SUM followed by one divis
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import time
 import weakref
@@ -18,7 +19,7 @@ from mpi4py import MPI
 from commlib._ops import ReduceOp
 from commlib.arrays import LOW_PRECISION, bfloat16
 from commlib.backends._waker import waker
-from commlib.backends.base import SLOW_BYTES_PER_S, poll
+from commlib.backends.base import SLOW_BYTES_PER_S, Resident, poll
 from commlib.errors import TransportError
 
 __all__ = [
@@ -270,7 +271,7 @@ class Persistent:
     the store is the one rounding.
     """
 
-    __slots__ = ("cache", "divide", "key", "recv", "req", "send")
+    __slots__ = ("buf", "cache", "count", "divide", "dtype", "key", "recv", "req", "send", "start", "test")
 
     def __init__(
         self, req: MPI.Prequest, send: np.ndarray | None = None, recv: np.ndarray | None = None, divide: int = 0
@@ -278,6 +279,24 @@ class Persistent:
         self.req, self.send, self.recv, self.divide = req, send, recv, divide
         self.cache: PersistentCache | None = None  # set by PersistentCache.add
         self.key: tuple = ()
+        # an in-place SUM all_reduce is also a base.Resident (Backend.sums): the group layer runs it
+        self.buf = recv if recv is not None else send
+        self.start, self.test = req.Start, req.Test
+        self.dtype: np.dtype | None = None  # the callers' (set by PersistentCache.add; the scratch may be wider)
+        self.count = 0
+
+    def wait(self, timeout: float) -> bool:
+        """Resident.wait: the run started by the group layer, after its tests (False: timed out, never run again)."""
+        if settle(self.req, timeout, _abandoned):
+            return True
+        if self.cache is not None:
+            self.cache.forget(self.key)
+        return False
+
+    @staticmethod
+    def error(exc: BaseException) -> BaseException:
+        """Resident.error: MPI's exceptions as commlib's."""
+        return mpi_error(exc) if isinstance(exc, MPI.Exception) else exc
 
     def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float) -> bool:
         """Copy ``inp`` in, run the operation once (False: ``timeout`` passed), copy the result out to ``out``.
@@ -319,7 +338,7 @@ class PersistentCache:
         self.limit = limit
         self.ops: dict[tuple, Persistent] = {}
         #: the in-place SUM all_reduces among ``ops``, by (shape, dtype): see ``Backend.sums``
-        self.sums: dict[tuple, Persistent] = {}
+        self.sums: dict[tuple, Resident] = {}
         _caches.add(self)
 
     def add(self, key: tuple, op: Persistent) -> Persistent:
@@ -329,6 +348,7 @@ class PersistentCache:
         self.ops[key] = op
         op.cache, op.key = self, key
         if key[0] == "all_reduce" and key[3] is ReduceOp.SUM:
+            op.dtype, op.count = key[2], math.prod(key[1])
             self.sums[key[1], key[2]] = op
         return op
 

@@ -96,6 +96,33 @@ class Handle(Protocol):
         """
 
 
+class Resident(Protocol):
+    """A ready operation over a buffer of its own, run by the group layer inline: the values of :meth:`Backend.sums`.
+
+    A call: copy the input into :attr:`buf`, :meth:`start`, call :meth:`test` until it returns
+    True (a few hundred times at most), else :meth:`wait`; then copy the result out of
+    :attr:`buf`. An exception raised by any of them goes through :meth:`error` first.
+    """
+
+    #: the operation's own buffer: its input before :meth:`start`, its output once complete
+    buf: Any
+    #: the dtype and element count of the caller's arrays (for the flight recorder)
+    dtype: Any
+    count: int
+
+    def start(self) -> None:
+        """Start one run of the operation (the previous one is complete)."""
+
+    def test(self) -> bool:
+        """True once the run is complete; never blocks."""
+
+    def wait(self, timeout: float) -> bool:
+        """Block until the run is complete (True) or ``timeout`` seconds pass (False: it is never started again)."""
+
+    def error(self, exc: BaseException) -> BaseException:
+        """The exception to raise for ``exc`` (raised by the backend's engine in a run)."""
+
+
 #: A wait keeps testing without sleeps while its data may still be moving at this rate (MPI moves a
 #: large transfer only while it is tested, one 16 KiB shared-memory cell per test).
 SLOW_BYTES_PER_S = 100e6
@@ -293,13 +320,14 @@ class Backend(abc.ABC):
         """
         return {}
 
-    def sums(self) -> dict[tuple, Any] | None:
-        """Ready blocking in-place SUM all_reduces by ``(shape, dtype)``, each with ``run(inp, out, timeout)``.
+    def sums(self) -> dict[tuple, Resident] | None:
+        """Ready blocking in-place SUM all_reduces by ``(shape, dtype)`` (see :class:`Resident`).
 
-        The hottest call in data parallelism, given a lookup of its own: ``run`` behaves as the
-        ``"all_reduce"`` entry of :meth:`fused` called with ``(buf, buf, SUM, timeout)``. The
-        backend adds and removes entries as it makes and frees them (the group layer only reads
-        the dict, and only under :meth:`fused`'s conditions). The default: None (no such lookup).
+        The hottest call in data parallelism, given a lookup of its own: the group layer runs an
+        entry itself, and the result must be that of the ``"all_reduce"`` entry of :meth:`fused`
+        called with ``(buf, buf, SUM, timeout)``. The backend adds and removes entries as it makes
+        and frees them (the group layer only reads the dict, and only under :meth:`fused`'s
+        conditions). The default: None (no such lookup).
         """
         return None
 

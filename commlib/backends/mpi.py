@@ -36,7 +36,7 @@ from commlib.backends._mpi import (
     pieces,
     settle,
 )
-from commlib.backends.base import DONE, RESERVED_TAGS, Backend, Chained, Handle
+from commlib.backends.base import DONE, RESERVED_TAGS, Backend, Chained, Handle, Resident
 from commlib.errors import CommTimeoutError
 
 __all__ = ["MpiBackend"]
@@ -215,7 +215,7 @@ class MpiBackend(Backend):
         """Blocking calls in one step (see :meth:`Backend.fused`): small ones as persistent operations."""
         return self.now
 
-    def sums(self) -> dict[tuple, Persistent]:
+    def sums(self) -> dict[tuple, Resident]:
         return self.persistent.sums
 
     def _scratch(self, shape: tuple, dtype: np.dtype, reduce: bool = False) -> tuple[np.ndarray, Any]:
