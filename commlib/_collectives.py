@@ -253,6 +253,15 @@ def packed(parts: list[Any]) -> Any | None:
             return None
         at += a.nbytes
     count = (at - start) // first.itemsize
+    root = first
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    base = address(root) if root.flags.c_contiguous else -1
+    if 0 <= base <= start and at <= base + root.nbytes:  # a view of the root: ~0.4 us, as_strided ~2 us
+        flat = np.ndarray((count,), first.dtype, buffer=root, offset=start - base)
+        if not first.flags.writeable:
+            flat.flags.writeable = False
+        return flat
     flat = first.reshape(-1)
     return np.lib.stride_tricks.as_strided(flat, (count,), (first.itemsize,), writeable=flat.flags.writeable)
 

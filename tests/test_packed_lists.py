@@ -91,3 +91,32 @@ def packed_job() -> list[str]:
 def test_lists_of_views_of_one_buffer_give_the_same_results(backend: str, n: int) -> None:
     results = run(packed_job, n, timeout=120, env=BACKENDS[backend])
     assert results == [results[0]] * n and len(results[0]) == 8, results
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    ["a slice of a bigger buffer", "read-only memory", "rows of a strided root", "views of two arrays"],
+)
+def test_packed_is_a_view_of_exactly_the_parts(scenario: str) -> None:
+    """packed() spans the parts and nothing else, and is writable only where the parts are."""
+    from commlib._collectives import packed
+
+    if scenario == "a slice of a bigger buffer":
+        whole = np.arange(3 * N, dtype=np.float32)[N // 2 :]
+        parts = [whole[:N], whole[N : 2 * N]]
+    elif scenario == "read-only memory":
+        whole = np.frombuffer(np.arange(2 * N, dtype=np.float32).tobytes(), np.float32)
+        parts = [whole[:N], whole[N:]]
+    elif scenario == "rows of a strided root":  # the root is not contiguous: packed still finds the parts
+        whole = np.arange(4 * N, dtype=np.float32).reshape(4, N)[::2]
+        parts = [whole[0], whole[1]]
+        assert packed(parts) is None  # rows 0 and 2 of the root: not back to back
+        return
+    else:
+        parts = [np.zeros(N, np.float32), np.zeros(N, np.float32)]
+        assert packed(parts) is None
+        return
+    flat = packed(parts)
+    assert flat is not None and flat.size == 2 * N and np.shares_memory(flat, parts[0])
+    np.testing.assert_array_equal(flat, np.concatenate(parts))
+    assert flat.flags.writeable == parts[0].flags.writeable
