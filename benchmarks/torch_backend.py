@@ -52,9 +52,12 @@ def _collective(dist: Any, torch: Any, op: str, nbytes: int, group: Any) -> Call
     x, big = torch.ones(count), torch.ones(count * n)
     if op == "all_reduce":
         return lambda: dist.all_reduce(x, group=group)
+    # torch 2.13 renamed these (the old names warn, once per call site); both reach the same backend method
     if op == "all_gather_into_tensor":
-        return lambda: dist.all_gather_into_tensor(big, x, group=group)
-    return lambda: dist.reduce_scatter_tensor(x, big, group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(big, x, group=group)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return lambda: scatter(x, big, group=group)
 
 
 def _collectives(args: argparse.Namespace, dist: Any, torch: Any, commlib: Any, gloo: Any) -> dict:

@@ -23,20 +23,32 @@ from commlib._collectives import (
 )
 from commlib._composed import all_to_all, all_to_all_single, gather, scatter
 from commlib._group import ProcessGroup, Work
-from commlib._objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
+from commlib._objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
 from commlib._ops import ReduceOp
 from commlib._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from commlib._world import (
+    GroupMember,
     destroy_process_group,
     get_backend,
     get_global_rank,
     get_group_rank,
+    get_node_local_rank,
     get_process_group_ranks,
     get_rank,
     get_world_size,
+    group,
     init_process_group,
     is_initialized,
+    is_torchelastic_launched,
     new_group,
+    new_subgroups,
 )
 from commlib.errors import (
     BackendUnavailableError,
@@ -54,6 +66,7 @@ __all__ = [
     "CommError",
     "CommTimeoutError",
     "GroupBrokenError",
+    "GroupMember",
     "P2POp",
     "ProcessGroup",
     "ReduceOp",
@@ -76,19 +89,25 @@ __all__ = [
     "get_backend",
     "get_global_rank",
     "get_group_rank",
+    "get_node_local_rank",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
+    "group",
     "init_process_group",
     "irecv",
     "is_available",
+    "is_backend_available",
     "is_initialized",
     "is_mpi_available",
     "is_nccl_available",
+    "is_torchelastic_launched",
     "isend",
     "monitored_barrier",
     "new_group",
+    "new_subgroups",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_single",
@@ -96,6 +115,7 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "send_object_list",
 ]
 
 
@@ -117,6 +137,15 @@ def is_nccl_available() -> bool:
     from commlib.backends.nccl import nccl_unavailable_reason
 
     return emulated() or nccl_unavailable_reason() is None
+
+
+def is_backend_available(backend: str) -> bool:
+    """True when ``init_process_group(backend)`` can run here: ``"mpi"`` (also ``"gloo"``, ``"cpu"``)
+    always, ``"nccl"`` when :func:`is_nccl_available`; False for any other name."""
+    from commlib._world import _BACKEND_ALIASES
+
+    name = _BACKEND_ALIASES.get(str(backend).lower())
+    return is_nccl_available() if name == "nccl" else name is not None
 
 
 def _register_with_torch() -> None:

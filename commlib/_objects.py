@@ -16,10 +16,18 @@ import numpy as np
 from commlib._collectives import root_rank
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup
+from commlib._p2p import _peer, _source, recv, send
 from commlib._world import resolve
 from commlib.arrays import to_device, to_host
 
-__all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
+__all__ = [
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "recv_object_list",
+    "scatter_object_list",
+    "send_object_list",
+]
 
 _U8, _I64 = np.dtype(np.uint8), np.dtype(np.int64)
 
@@ -148,3 +156,60 @@ def scatter_object_list(
     recv = g.xp.empty(width, _U8)
     g.issue(call, "scatter", (to_device(_padded(chunks, width), g.xp) if mine else None, recv, root), False)
     out_list[0] = _load(to_host(recv)[: int(sizes[g.rank])])
+
+
+def send_object_list(
+    object_list: list[Any],
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_dst: int | None = None,
+    use_batch: bool = False,
+) -> None:
+    """Send the picklable objects of ``object_list`` to global rank ``dst`` (or ``group_dst``).
+
+    The receiver's :func:`recv_object_list` needs a list of the same length. Two messages go out:
+    the count and size, then the pickled list. ``device`` and ``use_batch`` are accepted for
+    torch's signature: the group decides where the bytes travel (host memory on mpi, the device on nccl).
+    """
+    call = "send_object_list"
+    g, _ = resolve(group, call)
+    _check_list(g, call, "object_list", object_list, None)
+    peer = g.ranks[_peer(g, call, dst, group_dst, "dst")]
+    data = _dump(list(object_list))
+    head = np.array([len(object_list), data.size], _I64)
+    send(to_device(head, g.xp), peer, g)
+    send(to_device(data, g.xp), peer, g)
+
+
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: Any = None,
+    group_src: int | None = None,
+    use_batch: bool = False,
+) -> int:
+    """Fill ``object_list`` with the objects :func:`send_object_list` sent from global rank ``src``.
+
+    ``src=None`` (and no ``group_src``) takes them from whichever rank sends first. Returns the
+    sender's global rank. A sender whose list has another length is an error here (``ValueError``,
+    after its message has been received, so the two ranks stay in step), and ``object_list`` is
+    left as it was.
+    """
+    call = "recv_object_list"
+    g, b = resolve(group, call)
+    _check_list(g, call, "object_list", object_list, None)
+    peer = _source(g, b, call, src, group_src)
+    head = g.xp.zeros(2, _I64)
+    sender = recv(head, None if peer is None else g.ranks[peer], g)
+    count, nbytes = (int(v) for v in to_host(head))
+    data = g.xp.empty(nbytes, _U8)
+    recv(data, sender, g)
+    if count != len(object_list):
+        raise ValueError(
+            f"{g.label}{call}: object_list has {len(object_list)} entries, "
+            f"but rank {sender} sent {count} objects (send_object_list)"
+        )
+    object_list[:] = _load(to_host(data))
+    return sender

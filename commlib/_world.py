@@ -14,17 +14,22 @@ from commlib.errors import CommTimeoutError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "GroupMember",
     "destroy_process_group",
     "get_backend",
     "get_global_rank",
     "get_group_rank",
+    "get_node_local_rank",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
+    "group",
     "init_process_group",
     "is_initialized",
+    "is_torchelastic_launched",
     "launch_info",
     "new_group",
+    "new_subgroups",
     "resolve",
 ]
 
@@ -298,3 +303,74 @@ def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
     """The global ranks of ``group`` (default: the world), in group-rank order."""
     g = (_state.world if group is None else group) or _implicit_world()
     return list(g.ranks)
+
+
+class _WorldMeta(type):
+    @property
+    def WORLD(cls) -> ProcessGroup | None:  # torch's name
+        """The default group; None before it exists (as torch's ``group.WORLD``)."""
+        return _state.world
+
+
+class group(metaclass=_WorldMeta):  # torch's name
+    """torch's ``dist.group``: ``group.WORLD`` is the default group (None before it exists)."""
+
+
+class GroupMember(metaclass=_WorldMeta):
+    """torch's ``dist.GroupMember``: ``GroupMember.WORLD`` is the default group (None before it exists).
+
+    There is no ``NON_GROUP_MEMBER``: on a rank outside it, :func:`new_group` returns a group whose
+    :func:`get_rank` is -1 (as torch's ``get_rank`` of a group one is not in).
+    """
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: Any = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup, list[ProcessGroup]]:
+    """Split the default group into groups of ``group_size`` consecutive ranks; every rank calls it.
+
+    ``group_size=None``: one group per node (the launcher's ranks per node). Returns this rank's
+    group and all of them, as torch's.
+    """
+    world, _ = resolve(None, "new_subgroups")
+    if group is not None and group is not world:
+        raise ValueError(f"{world.label}new_subgroups: group must be None (the default group), got {group!r}")
+    size = launch_info().local_world_size if group_size is None else group_size
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= world.size or world.size % size:
+        raise ValueError(
+            f"{world.label}new_subgroups: group_size must be a positive int that divides the world size "
+            f"({world.size}), got {group_size!r}" + (f" (ranks per node: {size})" if group_size is None else "")
+        )
+    subgroups = []
+    for first in range(0, world.size, size):
+        desc = None if group_desc is None else f"{group_desc}_{first // size}"
+        subgroups.append(new_group(list(range(first, first + size)), timeout, backend, pg_options, group_desc=desc))
+    return subgroups[world.rank // size], subgroups
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank on its node: ``LOCAL_RANK`` (torchrun), else the launcher's (mpiexec, srun).
+
+    With neither, ``fallback_rank`` if given, else ``RuntimeError``, as torch's.
+    """
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    info = launch_info()
+    if info.source != "single":
+        return info.local_rank
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "get_node_local_rank: LOCAL_RANK is not set and no launcher (torchrun, mpiexec, srun, "
+        "python -m commlib.launch) started this process; pass fallback_rank= to run without one"
+    )
+
+
+def is_torchelastic_launched() -> bool:
+    """True when torchrun (torch.distributed.elastic) started this process (``TORCHELASTIC_RUN_ID`` is set)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None

@@ -1,0 +1,127 @@
+"""torch.distributed names beyond the reference list that torch scripts use, so that switching the import
+keeps them running: ``group.WORLD``/``GroupMember.WORLD``, ``send_object_list``/``recv_object_list``,
+``new_subgroups``, ``get_node_local_rank``, ``is_torchelastic_launched``, ``is_backend_available``.
+
+Each job returns ``{scenario: problem}`` (empty when every scenario held), so a failure names them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from reference import BACKENDS
+
+import commlib
+from commlib.testing import run
+
+NEW_NAMES = [
+    "get_node_local_rank",
+    "is_backend_available",
+    "is_torchelastic_launched",
+    "new_subgroups",
+    "recv_object_list",
+    "send_object_list",
+]
+
+
+@pytest.mark.parametrize("name", NEW_NAMES)
+def test_signature_is_torchs(name: str) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    ours, theirs = inspect.signature(getattr(commlib, name)), inspect.signature(getattr(dist, name))
+    assert [(p.name, p.default) for p in ours.parameters.values()] == [
+        (p.name, p.default) for p in theirs.parameters.values()
+    ]
+    assert name in commlib.__all__
+
+
+def test_names_before_init() -> None:
+    assert commlib.group.WORLD is None and commlib.GroupMember.WORLD is None
+    assert commlib.is_backend_available("mpi") and commlib.is_backend_available("GLOO")
+    assert not commlib.is_backend_available("ucc")
+    assert commlib.is_backend_available("nccl") == commlib.is_nccl_available()
+    assert commlib.get_node_local_rank(fallback_rank=5) == 5
+    with pytest.raises(RuntimeError, match="fallback_rank"):
+        commlib.get_node_local_rank()
+
+
+def _check(problems: dict, name: str, got: Any, want: Any) -> None:
+    if got != want:
+        problems[name] = f"got {got!r}, want {want!r}"
+
+
+def names_job() -> dict:
+    import numpy as np
+
+    import commlib as dist
+
+    dist.init_process_group()
+    r, n = dist.get_rank(), dist.get_world_size()
+    problems: dict = {}
+    _check(problems, "group.WORLD is the default group", dist.group.WORLD is dist.GroupMember.WORLD, True)
+    t = np.ones(2, np.float32)
+    dist.all_reduce(t, group=dist.group.WORLD)
+    _check(problems, "all_reduce on group.WORLD", t.tolist(), [float(n)] * 2)
+    _check(problems, "get_node_local_rank under mpiexec (one node)", dist.get_node_local_rank(), r)
+    _check(problems, "is_torchelastic_launched under mpiexec", dist.is_torchelastic_launched(), False)
+
+    # objects, point to point: 0 -> 1 by rank, then 2 -> 3 from any source
+    objs = [{"rank": r}, "text", np.arange(3)]
+    if r == 0:
+        dist.send_object_list(objs, dst=1)
+    elif r == 1:
+        got = [None, None, None]
+        sender = dist.recv_object_list(got, src=0)
+        _check(
+            problems,
+            "recv_object_list src=0",
+            (sender, got[0], got[1], got[2].tolist()),
+            (0, {"rank": 0}, "text", [0, 1, 2]),
+        )
+    if r == 2:
+        dist.send_object_list([r * 10], dst=3)
+    elif r == 3 and dist.get_backend() == "mpi":
+        got = [None]
+        _check(problems, "recv_object_list from any rank", (dist.recv_object_list(got), got), (2, [20]))
+    elif r == 3:  # NCCL has no receive from any source: said before anything moves
+        try:
+            dist.recv_object_list([None])
+            problems["recv_object_list from any rank on nccl"] = "no error"
+        except ValueError as e:
+            _check(problems, "the any-source error names the call", "recv_object_list" in str(e), True)
+        got = [None]
+        _check(problems, "recv_object_list group_src=2", (dist.recv_object_list(got, group_src=2), got), (2, [20]))
+    # a receiver whose list has another length: a clear error, its list untouched, both ranks still in step
+    if r == 1:
+        dist.send_object_list([1, 2], dst=0)
+    elif r == 0:
+        mine = ["untouched"]
+        try:
+            dist.recv_object_list(mine, src=1)
+            problems["recv_object_list of another length"] = "no error"
+        except ValueError as e:
+            _check(problems, "the length error names both lengths", "1 entries" in str(e) and "sent 2" in str(e), True)
+        _check(problems, "the list is left as it was", mine, ["untouched"])
+    dist.barrier()
+
+    cur, subgroups = dist.new_subgroups(2)
+    _check(problems, "new_subgroups(2): groups", [dist.get_process_group_ranks(g) for g in subgroups], [[0, 1], [2, 3]])
+    t = np.full(1, float(r), np.float32)
+    dist.all_reduce(t, group=cur)
+    _check(problems, "all_reduce in this rank's subgroup", t.tolist(), [1.0 if r < 2 else 5.0])
+    per_node, _ = dist.new_subgroups()
+    _check(problems, "new_subgroups(): one group per node", dist.get_process_group_ranks(per_node), list(range(n)))
+    try:
+        dist.new_subgroups(3)
+        problems["new_subgroups(3) on 4 ranks"] = "no error"
+    except ValueError as e:
+        _check(problems, "the group_size error names the world size", "(4)" in str(e), True)
+    dist.destroy_process_group()
+    return problems
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_names_in_a_job(backend: str) -> None:
+    for rank, problems in enumerate(run(names_job, 4, timeout=120, env=BACKENDS[backend])):
+        assert problems == {}, f"rank {rank}: {problems}"
