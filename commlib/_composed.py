@@ -38,6 +38,16 @@ def _splits(g: ProcessGroup, call: str, arg: str, sizes: Any, a: np.ndarray) -> 
     return [int(s) * row for s in sizes]
 
 
+def _own_block(g: ProcessGroup, call: str, sends: list[int], recvs: list[int], send_arg: str, recv_arg: str) -> None:
+    """What a rank sends itself is what it receives from itself: the same number of elements."""
+    r = g.rank
+    if sends[r] != recvs[r]:
+        raise ValueError(
+            f"{g.label}{call}: {send_arg}[{r}] and {recv_arg}[{r}] (this rank's block to itself) must be the same "
+            f"size, got {sends[r]} and {recvs[r]} elements"
+        )
+
+
 def all_to_all_single(
     output: Any,
     input: Any,
@@ -52,6 +62,7 @@ def all_to_all_single(
     out, inp = pair(g, call, output, "output", input, "input")
     sc = _splits(g, call, "input_split_sizes", input_split_sizes, inp)
     rc = _splits(g, call, "output_split_sizes", output_split_sizes, out)
+    _own_block(g, call, sc, rc, "input_split_sizes", "output_split_sizes")
     if g.detail:  # split sizes may differ across ranks: only the dtype and the row shape must agree
         check_call(g, call, inp, shape=("*", *inp.shape[1:]))
     if g.xp.may_share_memory(out, inp):
@@ -83,6 +94,7 @@ def all_to_all(
         recv = staging = g.xp.empty(sum(a.size for a in outs), first.dtype)
         finish = lambda: unpack(staging, outs)  # noqa: E731
     counts = ([a.size for a in ins], [a.size for a in outs])
+    _own_block(g, call, *counts, "input_tensor_list", "output_tensor_list")
     args = (send, counts[0], recv, counts[1])
     return g.issue(call, "all_to_all", args, async_op, send.dtype, send.size, finish)
 

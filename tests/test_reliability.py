@@ -228,3 +228,56 @@ def test_flight_summary_names_the_stuck_and_the_missing(tmp_path: Path) -> None:
         "ranks [2] left no record (dead or stopped?)"
     )
     assert "rank 2: no flight record" in text
+
+
+def uneven_all_to_all_job(case: str) -> tuple:
+    """Uneven all_to_all_single (pairwise sends and receives on mpi) that cannot complete: a timeout, never a hang.
+
+    "absent": rank 1 never calls it. "disagree": rank 1 sends rank 0 nothing while rank 0 expects 3 rows
+    (a short message must not be taken silently), and async: the error comes from ``wait()``.
+    """
+    import commlib as dist
+
+    me = dist.get_rank()
+    inp = np.arange(4, dtype=np.float32) + 10 * me
+    sends, recvs = [1, 3], [1, 3]  # rank 0 to itself 1 row, to rank 1 3 rows; rank 1 the other way round
+    if case == "disagree" and me == 1:
+        sends, recvs = [0, 4], [3, 4]  # rank 0 waits for 3 rows that never come
+    out = np.zeros(sum(recvs), np.float32)
+    if case == "absent" and me == 1:
+        time.sleep(3)
+        return ("absent", "", 0.0)
+    start = time.monotonic()
+    try:
+        dist.all_to_all_single(out, inp, recvs, sends, async_op=case == "disagree").wait()
+        return ("no error", out.tolist(), 0.0)
+    except dist.CommTimeoutError as e:
+        return ("CommTimeoutError", str(e), time.monotonic() - start)
+
+
+@pytest.mark.parametrize("case", ["absent", "disagree"])
+def test_uneven_all_to_all_that_cannot_complete_times_out(case: str) -> None:
+    results = run(uneven_all_to_all_job, 2, case, timeout=60, env={"COMMLIB_TIMEOUT": "1.5"})
+    kind, message, waited = results[0]
+    assert kind == "CommTimeoutError" and "all_to_all_single" in message, results
+    assert 1.5 <= waited < 1.5 + 10, waited
+    if case == "disagree":  # rank 1 got all it expected
+        assert results[1] == ("no error", [1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0], 0.0), results[1]
+
+
+def own_block_job() -> tuple:
+    import commlib as dist
+
+    out, inp = np.zeros(3, np.float32), np.ones(4, np.float32)
+    try:
+        dist.all_to_all_single(out, inp, [3], [4])
+        return ("no error", out.tolist())
+    except ValueError as e:
+        return (str(e), out.tolist())
+
+
+def test_all_to_all_own_block_sizes_must_agree() -> None:
+    """Refused before anything moves, on the rank whose splits disagree with themselves."""
+    message, out = run(own_block_job, 1, timeout=60)[0]
+    assert "all_to_all_single: input_split_sizes[0] and output_split_sizes[0]" in message, message
+    assert "got 4 and 3 elements" in message and out == [0.0] * 3, (message, out)

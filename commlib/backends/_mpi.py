@@ -31,6 +31,7 @@ __all__ = [
     "Pieces",
     "Recv",
     "Req",
+    "Requests",
     "average",
     "pieces",
     "settle",
@@ -172,6 +173,44 @@ def _nbytes(keep: object) -> int:
     if isinstance(keep, tuple):
         return sum(a.nbytes for a in keep if isinstance(a, np.ndarray))
     return 0
+
+
+class Requests:
+    """A handle over several MPI requests (e.g. an uneven all-to-all's sends and receives): done when all are."""
+
+    __slots__ = ("keep", "reqs")
+
+    def __init__(self, reqs: list[MPI.Request], keep: object = None) -> None:
+        self.reqs = reqs
+        self.keep = keep  # the buffers MPI reads or writes until completion
+
+    def test(self) -> bool:
+        try:
+            return MPI.Request.Testall(self.reqs)
+        except MPI.Exception as e:
+            raise mpi_error(e) from None
+
+    def wait(self, timeout: float) -> bool:
+        """Each request in turn, in MPI's own wait where it is large (:func:`settle`); one deadline for all."""
+        reqs, nbytes = self.reqs, _nbytes(self.keep)
+        if nbytes < 4 * BLOCK_FROM or not BLOCK_FROM:  # small messages: done within a few tests
+            try:
+                for _ in _FAST_POLLS:
+                    if MPI.Request.Testall(reqs):
+                        return True
+            except MPI.Exception as e:
+                raise mpi_error(e) from None
+        deadline = time.monotonic() + timeout
+        for req in reqs:
+            if req == MPI.REQUEST_NULL:  # completed by an earlier test (a null request would block a Waitany)
+                continue
+            if not settle(req, max(deadline - time.monotonic(), 0.0), _abandoned, nbytes):
+                _abandoned.append(self)  # MPI may still write into the buffers of the other requests
+                return False
+        return True
+
+    def defer(self) -> bool:
+        return False  # host memory: the caller waits
 
 
 class Recv(Req):

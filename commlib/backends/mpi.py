@@ -32,6 +32,7 @@ from commlib.backends._mpi import (
     Pieces,
     Recv,
     Req,
+    Requests,
     average,
     pieces,
     settle,
@@ -47,8 +48,13 @@ PERSISTENT_MAX = int(os.environ.get("COMMLIB_MPI_PERSISTENT_MAX", str(16 << 10))
 PIECES_FROM = 4 * PIECE_BYTES if PIECE_BYTES else 1 << 62  # see _mpi.pieces
 
 
-def _equal(counts: list[int]) -> bool:
-    return all(c == counts[0] for c in counts)
+def _even(scounts: list[int], rcounts: list[int]) -> bool:
+    """Every block the same size, sent and received."""
+    k = scounts[0]
+    return all(c == k for c in scounts) and all(c == k for c in rcounts)
+
+
+_TAG_EXCHANGE = 0  # all_to_all_comm carries only all-to-alls: messages match in the order they are posted
 
 
 class MpiBackend(Backend):
@@ -184,21 +190,37 @@ class MpiBackend(Backend):
     def all_to_all(
         self, sendbuf: np.ndarray, send_counts: list[int], recvbuf: np.ndarray, recv_counts: list[int]
     ) -> Handle:
-        """All-to-all: ``Ialltoall`` when every block is the same size, else ``Ialltoallv``."""
+        """All-to-all: ``Ialltoall`` when every block is the same size, else pairwise sends and receives.
+
+        MPICH's ``Ialltoallv`` is slower than posting the messages ourselves: 2 ranks, 1 MiB uneven,
+        1.30x of a blocking ``Alltoallv`` against 1.06x (16 MiB: 1.34x against 1.08x).
+        """
         if not self.native:
             return super().all_to_all(sendbuf, send_counts, recvbuf, recv_counts)
-        return Req(self._post_all_to_all(sendbuf, send_counts, recvbuf, recv_counts), (sendbuf, recvbuf))
+        if not _even(send_counts, recv_counts):
+            return self._exchange(sendbuf, send_counts, recvbuf, recv_counts)
+        t, k = MOVE_TYPE[recvbuf.dtype], recv_counts[0]
+        return Req(self.all_to_all_comm.Ialltoall([sendbuf, k, t], [recvbuf, k, t]), (sendbuf, recvbuf))
 
-    def _post_all_to_all(self, sbuf: np.ndarray, scounts: list[int], rbuf: np.ndarray, rcounts: list[int]) -> Any:
-        t = MOVE_TYPE[rbuf.dtype]
-        if _equal(scounts) and _equal(rcounts) and scounts[0] == rcounts[0]:
-            return self.all_to_all_comm.Ialltoall([sbuf, scounts[0], t], [rbuf, rcounts[0], t])
+    def _exchange(self, sbuf: np.ndarray, scounts: list[int], rbuf: np.ndarray, rcounts: list[int]) -> Requests:
+        """Uneven all-to-all: receive from rank - k while sending to rank + k, k = 1 .. size-1; copy our own block.
+
+        Empty blocks send no message, so ranks that disagree on a block's size wait (and time out)
+        rather than receive a short message silently.
+        """
+        t, me, n, comm = MOVE_TYPE[rbuf.dtype], self.rank, self.size, self.all_to_all_comm
         # itertools, not numpy: np.cumsum of a short list costs ~6 us, most of a small call
-        sd, rd = (
-            list(itertools.accumulate(scounts[:-1], initial=0)),
-            list(itertools.accumulate(rcounts[:-1], initial=0)),
-        )
-        return self.all_to_all_comm.Ialltoallv([sbuf, (scounts, sd), t], [rbuf, (rcounts, rd), t])
+        sd, rd = list(itertools.accumulate(scounts, initial=0)), list(itertools.accumulate(rcounts, initial=0))
+        sflat, rflat = sbuf.reshape(-1), rbuf.reshape(-1)
+        reqs = []
+        for k in range(1, n):
+            src, dst = (me - k) % n, (me + k) % n
+            if rcounts[src]:
+                reqs.append(comm.Irecv([rflat[rd[src] : rd[src + 1]], t], src, _TAG_EXCHANGE))
+            if scounts[dst]:
+                reqs.append(comm.Isend([sflat[sd[dst] : sd[dst + 1]], t], dst, _TAG_EXCHANGE))
+        rflat[rd[me] : rd[me + 1]] = sflat[sd[me] : sd[me + 1]]
+        return Requests(reqs, (sbuf, rbuf))
 
     def send(self, buf: np.ndarray, peer: int, tag: int) -> Handle:
         return Req(self.comm.Isend([buf, MOVE_TYPE[buf.dtype]], peer, tag), buf)
@@ -297,8 +319,11 @@ class MpiBackend(Backend):
     def _all_to_all_now(
         self, sbuf: np.ndarray, scounts: list[int], rbuf: np.ndarray, rcounts: list[int], timeout: float
     ) -> bool:
-        if rbuf.nbytes > PERSISTENT_MAX or not (_equal(scounts) and _equal(rcounts) and scounts[0] == rcounts[0]):
-            req = self._post_all_to_all(sbuf, scounts, rbuf, rcounts)
+        if not _even(scounts, rcounts):
+            return self._exchange(sbuf, scounts, rbuf, rcounts).wait(timeout)
+        if rbuf.nbytes > PERSISTENT_MAX:
+            t, k = MOVE_TYPE[rbuf.dtype], rcounts[0]
+            req = self.all_to_all_comm.Ialltoall([sbuf, k, t], [rbuf, k, t])
             return settle(req, timeout, self.abandoned, sbuf.nbytes + rbuf.nbytes)
         key = ("all_to_all", sbuf.shape, rbuf.shape, rbuf.dtype)
         p = self.persistent.ops.get(key)
