@@ -4,12 +4,14 @@
     python benchmarks/compare.py --max-bytes 1M --repeats 3 --collectives all_reduce
     python benchmarks/compare.py --no-torch --no-emulator --png ''
 
-For all_reduce, all_gather, reduce_scatter and broadcast, each size is run by
-every method on the same float32 buffers (torch sees them through
-torch.from_numpy): mpi4py's Allreduce(IN_PLACE) / Allgather / Reduce_scatter_block
-/ Bcast, commlib's all_reduce / all_gather_into_tensor / reduce_scatter_tensor /
-broadcast with the mpi backend, and torch.distributed's same calls on gloo
-(N/A where gloo lacks the call). commlib's nccl backend on the NCCL emulator runs
+For all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (equal and
+uneven splits), each size is run by every method on the same float32 buffers
+(torch sees them through torch.from_numpy): mpi4py's Allreduce(IN_PLACE) /
+Allgather / Reduce_scatter_block / Bcast / Alltoall / Alltoallv, commlib's
+all_reduce / all_gather_into_tensor / reduce_scatter_tensor / broadcast /
+all_to_all_single with the mpi backend, and torch.distributed's same calls on
+gloo (N/A where gloo lacks the call). Uneven: each rank keeps a third of its
+buffer and sends the rest to the other rank. commlib's nccl backend on the NCCL emulator runs
 in a second job (COMMLIB_NCCL_EMULATOR=1) on the same sizes. Sizes are
 nccl-tests': the whole buffer (all_gather: the output; reduce_scatter: the input).
 
@@ -35,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "all_to_all_uneven")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}  # others: (n-1)/n
 METHODS = ("mpi4py", "commlib", "gloo", "nccl-emu")
 RATIOS = (("commlib", "mpi4py"), ("gloo", "commlib"), ("nccl-emu", "commlib"))
@@ -92,6 +94,8 @@ def _buffers(name: str, nbytes: int, np: Any) -> tuple[Any, Any]:
         return zeros(count // NRANKS), zeros(count)
     if name == "reduce_scatter":
         return zeros(count), zeros(count // NRANKS)
+    if name.startswith("all_to_all"):
+        return zeros(count), zeros(count)
     x = zeros(count)
     return x, x
 
@@ -99,18 +103,26 @@ def _buffers(name: str, nbytes: int, np: Any) -> tuple[Any, Any]:
 def _calls(name: str, inp: Any, out: Any, comm: Any, MPI: Any, dist: Any, tdist: Any, torch: Any) -> dict:
     """Each method's call on these buffers, as a zero-argument function (None where the method lacks it)."""
     calls: dict[str, Callable[[], Any] | None] = {}
+    # uneven all-to-all (2 ranks): keep a third, send the rest; what the other rank sends is the same split
+    keep = inp.size // 3
+    splits = [keep, inp.size - keep] if dist.get_rank() == 0 else [inp.size - keep, keep]
+    spec = (splits, [0, splits[0]])
     if comm is not None:
         calls["mpi4py"] = {
             "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, out, MPI.SUM),
             "all_gather": lambda: comm.Allgather(inp, out),
             "reduce_scatter": lambda: comm.Reduce_scatter_block(inp, out, MPI.SUM),
             "broadcast": lambda: comm.Bcast(out, 0),
+            "all_to_all": lambda: comm.Alltoall(inp, out),
+            "all_to_all_uneven": lambda: comm.Alltoallv([inp, spec, MPI.FLOAT], [out, spec, MPI.FLOAT]),
         }[name]
     calls["commlib"] = {
         "all_reduce": lambda: dist.all_reduce(out),
         "all_gather": lambda: dist.all_gather_into_tensor(out, inp),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, inp),
         "broadcast": lambda: dist.broadcast(out, 0),
+        "all_to_all": lambda: dist.all_to_all_single(out, inp),
+        "all_to_all_uneven": lambda: dist.all_to_all_single(out, inp, splits, splits),
     }[name]
     if tdist is not None:
         ti, to = torch.from_numpy(inp), torch.from_numpy(out)
@@ -122,6 +134,8 @@ def _calls(name: str, inp: Any, out: Any, comm: Any, MPI: Any, dist: Any, tdist:
             "all_gather": lambda: gather(to, ti),
             "reduce_scatter": lambda: scatter(to, ti),
             "broadcast": lambda: tdist.broadcast(to, 0),
+            "all_to_all": lambda: tdist.all_to_all_single(to, ti),
+            "all_to_all_uneven": lambda: tdist.all_to_all_single(to, ti, splits, splits),
         }[name]
     return calls
 
@@ -288,7 +302,7 @@ def report(table: dict, methods: list[str]) -> None:
     for name, rows in table.items():
         for a, b in ratios:
             at = [_fmt(_ratio(rows[s], a, b), ".3f", "x") if s in rows else "-" for s in REPORT_AT]
-            print(f"#   {name:<15} {a + '/' + b:<17} " + "  ".join(f"{v:>8}" for v in at))
+            print(f"#   {name:<17} {a + '/' + b:<17} " + "  ".join(f"{v:>8}" for v in at))
 
 
 def plot(table: dict, methods: list[str], path: str) -> None:
@@ -301,7 +315,8 @@ def plot(table: dict, methods: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), squeeze=False)
+    rows = (len(table) + 2) // 3
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 3.6 * rows), squeeze=False)
     for ax, (name, rows) in zip(axes.flat, table.items(), strict=False):
         factor = BUS_FACTOR.get(name, lambda n: (n - 1) / n)(NRANKS)
         for m in methods:
