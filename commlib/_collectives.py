@@ -118,7 +118,8 @@ def all_reduce(
         and tensor.flags.carray
         and (p := sums.get((tensor.shape, tensor.dtype))) is not None
     ):
-        # ProcessGroup.run() and the backend's wait, inlined: each Python frame is a tenth of this call
+        # _run_ready(), inlined: each Python frame is a tenth of this call (measured: 1.82 us inline, 1.89 us
+        # through _run_ready at 8 B on 2 ranks); broadcast, all_gather and reduce_scatter call _run_ready
         g.seq = seq = g.seq + 1
         slot = next(_slots)
         _starts[slot] = (g, "all_reduce", p.dtype, p.count, seq, _now())
@@ -155,6 +156,41 @@ def all_reduce(
     return None
 
 
+def _run_ready(g: ProcessGroup, call: str, p: Any, inp: np.ndarray, out: np.ndarray) -> None:
+    """Run a ready operation (Backend.residents) from ``inp`` into ``out``: all_reduce's fast path, for other calls.
+
+    The caller checked what the generic path would: the arrays' shapes and dtypes are the entry's key, so
+    the operation's buffers have the shapes of ``inp`` and ``out``.
+    """
+    g.seq = seq = g.seq + 1
+    slot = next(_slots)
+    _starts[slot] = (g, call, p.dtype, p.count, seq, _now())
+    send, done = p.send, True
+    try:
+        if send is not None:
+            send[...] = inp
+        p.start()
+        test = p.test
+        for _ in _TESTS:
+            if test():
+                break
+        else:
+            done = p.wait(g.timeout)
+    except BaseException as e:
+        g.fail(call, seq, slot, p.error(e))
+    if not done:
+        g.timed_out(call, seq, slot, g.timeout)
+    if p.recv is not None:
+        out[...] = p.recv
+    _ends[slot] = _now()
+
+
+def _ready(g: ProcessGroup, call: str, key: tuple) -> Any:
+    """The ready operation of ``call`` for ``key`` when ``g`` may run it now (else None: the generic path)."""
+    ready = g.ready
+    return None if ready is None or g.pending else ready[call].get(key)
+
+
 def broadcast(
     tensor: Any,
     src: int | None = None,
@@ -163,6 +199,18 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
+    g = _world.world if group is None else group
+    if (
+        not async_op
+        and type(tensor) is _ndarray
+        and type(src) is int
+        and group_src is None
+        and tensor.flags.carray
+        and type(g) is ProcessGroup
+        and (p := _ready(g, "broadcast", (tensor.shape, tensor.dtype, src))) is not None
+    ):
+        _run_ready(g, "broadcast", p, tensor, tensor)
+        return None
     g, _ = resolve(group, "broadcast")
     a = g.buffer(tensor, g, "broadcast", "tensor")
     root = root_rank(g, "broadcast", src, group_src, "src")
@@ -203,6 +251,19 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
     call = "all_gather_into_tensor"
+    g = _world.world if group is None else group
+    inp, out = input_tensor, output_tensor
+    if (
+        not async_op
+        and type(inp) is _ndarray
+        and type(out) is _ndarray
+        and inp.flags.c_contiguous
+        and out.flags.carray
+        and type(g) is ProcessGroup
+        and (p := _ready(g, "all_gather", (inp.shape, inp.dtype, out.shape, out.dtype))) is not None
+    ):
+        _run_ready(g, call, p, inp, out)  # a chunk of out as inp is fine: it is copied in first
+        return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output_tensor, "output_tensor", input_tensor, "input_tensor")
     _check_count(g, call, "output_tensor", out, g.size, inp.size)
@@ -286,6 +347,19 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
     call = "reduce_scatter_tensor"
+    g = _world.world if group is None else group
+    if (
+        op is _SUM
+        and not async_op
+        and type(input) is _ndarray
+        and type(output) is _ndarray
+        and input.flags.c_contiguous
+        and output.flags.carray
+        and type(g) is ProcessGroup
+        and (p := _ready(g, "reduce_scatter", (input.shape, input.dtype, output.shape, output.dtype))) is not None
+    ):
+        _run_ready(g, call, p, input, output)
+        return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output, "output", input, "input")
     _check_count(g, call, "input", inp, g.size, out.size)

@@ -51,6 +51,7 @@ class ProcessGroup:
         "pending",
         "rank",
         "ranks",
+        "ready",
         "reductions",
         "seq",
         "size",
@@ -86,6 +87,10 @@ class ProcessGroup:
         self.fused_all_reduce = self.fused.get("all_reduce")
         # the backend's ready in-place SUM all_reduces (Backend.sums); None whenever the group cannot use them
         self.sums = backend.sums() if backend is not None and self.host and not self.detail else None
+        # the same for broadcast, all_gather and reduce_scatter (Backend.residents), on groups whose ranks are
+        # the global ranks 0..size-1 (a root given as a global rank is then the group's own)
+        usable = self.sums is not None and ranks == list(range(self.size))
+        self.ready = backend.residents() if backend is not None and usable else None
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"
@@ -258,13 +263,13 @@ class ProcessGroup:
             f"size of this call, or made different numbers of calls before it ({err}); the group is now unusable"
             + self.dumped(f"engine error in {call} #{seq}")
         )
-        self.broken, self.sums = out, None
+        self.broken, self.sums, self.ready = out, None, None
         return out
 
     def mark_broken(self, err: BaseException) -> None:
         """Fence the group off: every later call on it raises ``GroupBrokenError`` from ``err``."""
         if self.broken is None:
-            self.broken, self.sums = err, None
+            self.broken, self.sums, self.ready = err, None, None
             if self.backend is not None:
                 self.backend.abort()
 

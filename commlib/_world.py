@@ -173,7 +173,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     for g in targets:
         if g.backend is not None and g.broken is None and g is not _state.world:
             g.backend.close()
-        g.backend, g.fused, g.fused_all_reduce, g.sums = None, {}, None, None
+        g.backend, g.fused, g.fused_all_reduce, g.sums, g.ready = None, {}, None, None, None
         if g in _state.groups:
             _state.groups.remove(g)
     _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}

@@ -98,3 +98,75 @@ def detail_job() -> bool:
 
 def test_detail_mode_checks_every_call_so_it_has_no_lookup() -> None:
     assert run(detail_job, 2, timeout=60, env={"COMMLIB_DEBUG": "DETAIL"}) == [True, True]
+
+
+def ready_job() -> dict:
+    """broadcast, all_gather_into_tensor and reduce_scatter_tensor through Backend.residents: scenario -> problem."""
+    import commlib as dist
+    from commlib._world import _state
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    g = _state.world
+    problems: dict = {}
+
+    def check(name: str, got: object, want: object) -> None:
+        if got != want:
+            problems[name] = f"got {got!r}, want {want!r}"
+
+    for dtype in (np.float32, np.int16, np.float16):
+        for root in range(n):  # a second round runs the ready operations the first made
+            for step in range(2):
+                b = np.full((2, 3), me + 10 * step, dtype)
+                dist.broadcast(b, src=root)
+                check(
+                    f"broadcast {np.dtype(dtype)} src={root} #{step}",
+                    b.tolist(),
+                    np.full((2, 3), root + 10 * step, dtype).tolist(),
+                )
+        for step in range(2):
+            out = np.zeros(3 * n, dtype)
+            dist.all_gather_into_tensor(out, np.full(3, me + step, dtype))
+            check(
+                f"all_gather {np.dtype(dtype)} #{step}",
+                out.tolist(),
+                [float(r + step) for r in range(n) for _ in range(3)],
+            )
+            inout = np.full(3 * n, -1, dtype)  # in place: this rank's chunk of the output is the input
+            inout[3 * me : 3 * me + 3] = me + step
+            dist.all_gather_into_tensor(inout, inout[3 * me : 3 * me + 3])
+            check(f"all_gather in place {np.dtype(dtype)} #{step}", inout.tolist(), out.tolist())
+            rs = np.zeros(2, dtype)
+            dist.reduce_scatter_tensor(rs, np.arange(2 * n, dtype=dtype) + step)
+            want = [float(n * (2 * me + k + step)) for k in range(2)]
+            check(f"reduce_scatter {np.dtype(dtype)} #{step}", rs.tolist(), want)
+    ready = g.ready
+    check("entries", {k: len(v) for k, v in ready.items()}, {"broadcast": 3 * n, "all_gather": 3, "reduce_scatter": 3})
+    # the lookup stays a mirror of the cache: every entry is a live operation of it
+    live = set(g.backend.persistent.ops.values())
+    check("mirror", all(op in live for t in ready.values() for op in t.values()), True)
+    # a call that times out on the ready path: fenced, output untouched, operation forgotten
+    sub = dist.new_group([0, 1], timeout=1.0)
+    if me < 2:
+        out = np.zeros(2 * 2, np.float32)
+        dist.all_gather_into_tensor(out, np.ones(2, np.float32), group=sub)
+        op = sub.ready["all_gather"][(2,), np.dtype(np.float32), (4,), np.dtype(np.float32)]
+        if me == 0:  # rank 1 makes one call fewer
+            out[:] = 7
+            try:
+                dist.all_gather_into_tensor(out, np.ones(2, np.float32), group=sub)
+                problems["timeout"] = "no error"
+            except dist.CommTimeoutError as e:
+                check("timeout names the call", "all_gather_into_tensor" in str(e), True)
+            check("output untouched", out.tolist(), [7.0] * 4)
+            check("fenced", sub.ready, None)
+            check("forgotten", op in sub.backend.persistent.ops.values(), False)
+    dist.barrier()
+    dist.destroy_process_group()
+    check("destroyed", g.ready, None)
+    return problems
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_broadcast_all_gather_reduce_scatter_run_ready_operations(n: int) -> None:
+    for rank, problems in enumerate(run(ready_job, n, timeout=120)):
+        assert problems == {}, f"rank {rank}: {problems}"

@@ -378,6 +378,8 @@ class PersistentCache:
         self.ops: dict[tuple, Persistent] = {}
         #: the in-place SUM all_reduces among ``ops``, by (shape, dtype): see ``Backend.sums``
         self.sums: dict[tuple, Resident] = {}
+        #: broadcasts, all_gathers and SUM reduce_scatters among ``ops``: see ``Backend.residents``
+        self.ready: dict[str, dict[tuple, Resident]] = {"broadcast": {}, "all_gather": {}, "reduce_scatter": {}}
         _caches.add(self)
 
     def add(self, key: tuple, op: Persistent) -> Persistent:
@@ -386,15 +388,19 @@ class PersistentCache:
             self._drop(next(iter(self.ops))).req.Free()
         self.ops[key] = op
         op.cache, op.key = self, key
-        if key[0] == "all_reduce" and key[3] is ReduceOp.SUM:
-            op.dtype, op.count = key[2], math.prod(key[1])
-            self.sums[key[1], key[2]] = op
+        lookup = _lookup(key)
+        if lookup is not None:
+            table, entry, op.dtype, op.count = lookup
+            (self.sums if table == "sums" else self.ready[table])[entry] = op
         return op
 
     def _drop(self, key: tuple) -> Persistent:
         op = self.ops.pop(key)
-        if self.sums.get(key[1:3]) is op:
-            del self.sums[key[1:3]]
+        lookup = _lookup(key)
+        if lookup is not None:
+            table = self.sums if lookup[0] == "sums" else self.ready[lookup[0]]
+            if table.get(lookup[1]) is op:
+                del table[lookup[1]]
         return op
 
     def forget(self, key: tuple) -> None:
@@ -408,6 +414,23 @@ class PersistentCache:
             op.req.Free()
         self.ops.clear()
         self.sums.clear()
+        for table in self.ready.values():
+            table.clear()
+
+
+def _lookup(key: tuple) -> tuple[str, tuple, np.dtype, int] | None:
+    """Where the group layer finds the operation of ``key`` (Backend.sums / residents): (table, entry, the
+    callers' dtype, their element count for the flight recorder); None: only through Backend.fused."""
+    kind = key[0]
+    if kind == "all_reduce" and key[3] is ReduceOp.SUM:  # (kind, shape, dtype, op)
+        return "sums", (key[1], key[2]), key[2], math.prod(key[1])
+    if kind == "broadcast":  # (kind, shape, dtype, root)
+        return "broadcast", key[1:], key[2], math.prod(key[1])
+    if kind == "all_gather" and key[1] is not None:  # (kind, input shape, output shape, dtype); None: in place
+        return "all_gather", (key[1], key[3], key[2], key[3]), key[3], math.prod(key[1])
+    if kind == "reduce_scatter" and key[4] is ReduceOp.SUM:  # (kind, input shape, output shape, dtype, op)
+        return "reduce_scatter", (key[1], key[3], key[2], key[3]), key[3], math.prod(key[1])
+    return None
 
 
 _caches: weakref.WeakSet[PersistentCache] = weakref.WeakSet()

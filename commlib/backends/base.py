@@ -97,14 +97,20 @@ class Handle(Protocol):
 
 
 class Resident(Protocol):
-    """A ready operation over a buffer of its own, run by the group layer inline: the values of :meth:`Backend.sums`.
+    """A ready operation over buffers of its own, run by the group layer inline (:meth:`Backend.sums`,
+    :meth:`Backend.residents`).
 
-    A call: copy the input into :attr:`buf`, :meth:`start`, call :meth:`test` until it returns
-    True (a few hundred times at most), else :meth:`wait`; then copy the result out of
-    :attr:`buf`. An exception raised by any of them goes through :meth:`error` first.
+    A call: copy the input into :attr:`send` (unless None), :meth:`start`, call :meth:`test`
+    until it returns True (a few hundred times at most), else :meth:`wait`; then copy the result
+    out of :attr:`recv` (unless None). An exception raised by any of them goes through
+    :meth:`error` first. An in-place all_reduce has one buffer, :attr:`buf` (``send`` and ``recv``).
     """
 
-    #: the operation's own buffer: its input before :meth:`start`, its output once complete
+    #: the operation's own buffers: its input before :meth:`start` (None: this rank sends nothing, e.g. a
+    #: broadcast's non-root), its output once complete (None: no output here, e.g. a broadcast's root)
+    send: Any
+    recv: Any
+    #: an in-place all_reduce's one buffer (its ``send`` and ``recv``)
     buf: Any
     #: the dtype and element count of the caller's arrays (for the flight recorder)
     dtype: Any
@@ -328,6 +334,15 @@ class Backend(abc.ABC):
         called with ``(buf, buf, SUM, timeout)``. The backend adds and removes entries as it makes
         and frees them (the group layer only reads the dict, and only under :meth:`fused`'s
         conditions). The default: None (no such lookup).
+        """
+        return None
+
+    def residents(self) -> dict[str, dict[tuple, Resident]] | None:
+        """Ready blocking operations of other calls, run by the group layer as :meth:`sums`' are.
+
+        ``"broadcast"`` by ``(shape, dtype, root)``, ``"all_gather"`` (not in place) by ``(input shape,
+        input dtype, output shape, output dtype)``, ``"reduce_scatter"`` (SUM) likewise; each must give
+        the result of the matching :meth:`fused` entry. Same rules as :meth:`sums`; default: None.
         """
         return None
 

@@ -240,6 +240,9 @@ class MpiBackend(Backend):
     def sums(self) -> dict[tuple, Resident]:
         return self.persistent.sums
 
+    def residents(self) -> dict[str, dict[tuple, Resident]]:
+        return self.persistent.ready
+
     def _scratch(self, shape: tuple, dtype: np.dtype, reduce: bool = False) -> tuple[np.ndarray, Any]:
         """A scratch buffer for a persistent operation and its MPI buffer spec (float32 to reduce 16-bit floats)."""
         buf = np.empty(shape, F32 if reduce and dtype in LOW_PRECISION else dtype)
