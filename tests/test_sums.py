@@ -101,7 +101,8 @@ def test_detail_mode_checks_every_call_so_it_has_no_lookup() -> None:
 
 
 def ready_job() -> dict:
-    """broadcast, all_gather_into_tensor and reduce_scatter_tensor through Backend.residents: scenario -> problem."""
+    """broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single through
+    Backend.residents: scenario -> problem."""
     import commlib as dist
     from commlib._world import _state
 
@@ -139,8 +140,21 @@ def ready_job() -> dict:
             dist.reduce_scatter_tensor(rs, np.arange(2 * n, dtype=dtype) + step)
             want = [float(n * (2 * me + k + step)) for k in range(2)]
             check(f"reduce_scatter {np.dtype(dtype)} #{step}", rs.tolist(), want)
+            for root in range(n):
+                r = np.full(3, me + step, dtype)
+                dist.reduce(r, dst=root)
+                want = [float(sum(range(n)) + n * step)] * 3 if me == root else [float(me + step)] * 3
+                check(f"reduce {np.dtype(dtype)} dst={root} #{step}", r.tolist(), want)
+            a2a = np.arange(2 * n, dtype=dtype) + 10 * me + step  # block k (2 elements) goes to rank k
+            got = np.zeros(2 * n, dtype)
+            dist.all_to_all_single(got, a2a)
+            want = [float(10 * k + 2 * me + j + step) for k in range(n) for j in range(2)]
+            check(f"all_to_all_single {np.dtype(dtype)} #{step}", got.tolist(), want)
+            dist.all_to_all_single(a2a, a2a)  # in place: the input is copied in before anything moves
+            check(f"all_to_all_single in place {np.dtype(dtype)} #{step}", a2a.tolist(), want)
     ready = g.ready
-    check("entries", {k: len(v) for k, v in ready.items()}, {"broadcast": 3 * n, "all_gather": 3, "reduce_scatter": 3})
+    want = {"broadcast": 3 * n, "reduce": 3 * n, "all_gather": 3, "reduce_scatter": 3, "all_to_all": 3}
+    check("entries", {k: len(v) for k, v in ready.items()}, want)
     # the lookup stays a mirror of the cache: every entry is a live operation of it
     live = set(g.backend.persistent.ops.values())
     check("mirror", all(op in live for t in ready.values() for op in t.values()), True)
@@ -167,6 +181,6 @@ def ready_job() -> dict:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_broadcast_all_gather_reduce_scatter_run_ready_operations(n: int) -> None:
+def test_broadcast_reduce_all_gather_reduce_scatter_all_to_all_run_ready_operations(n: int) -> None:
     for rank, problems in enumerate(run(ready_job, n, timeout=120)):
         assert problems == {}, f"rank {rank}: {problems}"

@@ -378,8 +378,9 @@ class PersistentCache:
         self.ops: dict[tuple, Persistent] = {}
         #: the in-place SUM all_reduces among ``ops``, by (shape, dtype): see ``Backend.sums``
         self.sums: dict[tuple, Resident] = {}
-        #: broadcasts, all_gathers and SUM reduce_scatters among ``ops``: see ``Backend.residents``
-        self.ready: dict[str, dict[tuple, Resident]] = {"broadcast": {}, "all_gather": {}, "reduce_scatter": {}}
+        #: broadcasts, SUM reduces, all_gathers, SUM reduce_scatters and all_to_alls among ``ops``:
+        #: see ``Backend.residents``
+        self.ready: dict[str, dict[tuple, Resident]] = {k: {} for k in _READY}
         _caches.add(self)
 
     def add(self, key: tuple, op: Persistent) -> Persistent:
@@ -426,11 +427,19 @@ def _lookup(key: tuple) -> tuple[str, tuple, np.dtype, int] | None:
         return "sums", (key[1], key[2]), key[2], math.prod(key[1])
     if kind == "broadcast":  # (kind, shape, dtype, root)
         return "broadcast", key[1:], key[2], math.prod(key[1])
+    if kind == "reduce" and key[3] is ReduceOp.SUM:  # (kind, shape, dtype, op, root)
+        return "reduce", (key[1], key[2], key[4]), key[2], math.prod(key[1])
     if kind == "all_gather" and key[1] is not None:  # (kind, input shape, output shape, dtype); None: in place
         return "all_gather", (key[1], key[3], key[2], key[3]), key[3], math.prod(key[1])
     if kind == "reduce_scatter" and key[4] is ReduceOp.SUM:  # (kind, input shape, output shape, dtype, op)
         return "reduce_scatter", (key[1], key[3], key[2], key[3]), key[3], math.prod(key[1])
+    if kind == "all_to_all":  # (kind, input shape, output shape, dtype): equal splits only
+        return "all_to_all", (key[1], key[3], key[2], key[3]), key[3], math.prod(key[1])
     return None
+
+
+#: the tables of Backend.residents
+_READY = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 _caches: weakref.WeakSet[PersistentCache] = weakref.WeakSet()

@@ -340,9 +340,10 @@ class Backend(abc.ABC):
     def residents(self) -> dict[str, dict[tuple, Resident]] | None:
         """Ready blocking operations of other calls, run by the group layer as :meth:`sums`' are.
 
-        ``"broadcast"`` by ``(shape, dtype, root)``, ``"all_gather"`` (not in place) by ``(input shape,
-        input dtype, output shape, output dtype)``, ``"reduce_scatter"`` (SUM) likewise; each must give
-        the result of the matching :meth:`fused` entry. Same rules as :meth:`sums`; default: None.
+        ``"broadcast"`` by ``(shape, dtype, root)``, ``"reduce"`` (SUM, in place) likewise, ``"all_gather"``
+        (not in place) by ``(input shape, input dtype, output shape, output dtype)``, ``"reduce_scatter"``
+        (SUM) and ``"all_to_all"`` (equal splits) likewise; each must give the result of the matching
+        :meth:`fused` entry. Same rules as :meth:`sums`; default: None.
         """
         return None
 
