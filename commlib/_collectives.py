@@ -156,18 +156,23 @@ def all_reduce(
     return None
 
 
-def run_ready(g: ProcessGroup, call: str, p: Any, inp: np.ndarray, out: np.ndarray) -> None:
+def run_ready(g: ProcessGroup, call: str, p: Any, inp: np.ndarray | None, out: Any, collective: bool = True) -> None:
     """Run a ready operation (Backend.residents) from ``inp`` into ``out``: all_reduce's fast path, for other calls.
 
     The caller checked what the generic path would: the arrays' shapes and dtypes are the entry's key, so
-    the operation's buffers have the shapes of ``inp`` and ``out``.
+    the operation's buffers have the shapes of ``inp`` and ``out``. ``inp`` None: the caller loaded
+    ``p.send`` itself; ``out`` is anything that takes ``out[...] = result`` (used only if ``p.recv``).
+    A collective is numbered and recorded; a send or receive (``collective=False``) is neither.
     """
-    g.seq = seq = g.seq + 1
-    slot = next(_slots)
-    _starts[slot] = (g, call, p.dtype, p.count, seq, _now())
+    if collective:
+        g.seq = seq = g.seq + 1
+        slot = next(_slots)
+        _starts[slot] = (g, call, p.dtype, p.count, seq, _now())
+    else:
+        seq, slot = 0, -1
     send, done = p.send, True
     try:
-        if send is not None:
+        if send is not None and inp is not None:
             send[...] = inp
         p.start()
         test = p.test
@@ -182,7 +187,8 @@ def run_ready(g: ProcessGroup, call: str, p: Any, inp: np.ndarray, out: np.ndarr
         g.timed_out(call, seq, slot, g.timeout)
     if p.recv is not None:
         out[...] = p.recv
-    _ends[slot] = _now()
+    if slot >= 0:
+        _ends[slot] = _now()
 
 
 def ready_op(g: ProcessGroup, call: str, key: tuple) -> Any:

@@ -114,6 +114,33 @@ def all_to_all(
     return g.issue(call, "all_to_all", args, async_op, send.dtype, send.size, finish)
 
 
+class _Unpack:
+    """gather's root list as the destination of a ready operation: ``out[...] = whole`` fills each tensor."""
+
+    __slots__ = ("outs",)
+
+    def __init__(self, outs: list[Any]) -> None:
+        self.outs = outs
+
+    def __setitem__(self, key: Any, whole: np.ndarray) -> None:
+        unpack(whole, self.outs)
+
+
+def _plain(g: ProcessGroup, root: int, items: Any, like: np.ndarray, writes: bool) -> bool:
+    """Whether gather's or scatter's list is what the ready path takes (else the generic path checks and says
+    why): None off the root; on it a list of ``g.size`` numpy arrays of ``like``'s dtype and size, writable
+    for gather."""
+    if g.rank != root:
+        return items is None
+    if type(items) is not list or len(items) != g.size:
+        return False
+    dtype, size = like.dtype, like.size
+    for a in items:
+        if type(a) is not np.ndarray or a.dtype != dtype or a.size != size or (writes and not a.flags.writeable):
+            return False
+    return True
+
+
 def _rooted(
     call: str, group: ProcessGroup | None, tensor: Any, rank: Any, group_rank: Any, arg: str, items: Any, items_arg: str
 ) -> tuple[ProcessGroup, Any, int, list[Any] | None]:
@@ -145,6 +172,20 @@ def gather(
     group_dst: int | None = None,
 ) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
+    g = _world.world if group is None else group
+    root = 0 if dst is None else dst
+    if (
+        not async_op
+        and group_dst is None
+        and type(tensor) is np.ndarray
+        and type(root) is int
+        and tensor.flags.c_contiguous
+        and type(g) is ProcessGroup
+        and (p := ready_op(g, "gather", (tensor.shape, tensor.dtype, root))) is not None
+        and _plain(g, root, gather_list, tensor, True)
+    ):
+        run_ready(g, "gather", p, tensor, _Unpack(gather_list) if gather_list is not None else None)
+        return None
     g, inp, root, outs = _rooted("gather", group, tensor, dst, group_dst, "dst", gather_list, "gather_list")
     flat, finish = (packed(outs) if outs is not None else None), None
     if outs is not None and (flat is None or g.xp.may_share_memory(flat, inp)):
@@ -162,6 +203,24 @@ def scatter(
     group_src: int | None = None,
 ) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
+    g = _world.world if group is None else group
+    root = 0 if src is None else src
+    if (
+        not async_op
+        and group_src is None
+        and type(tensor) is np.ndarray
+        and type(root) is int
+        and tensor.flags.carray
+        and type(g) is ProcessGroup
+        and (p := ready_op(g, "scatter", (tensor.shape, tensor.dtype, root))) is not None
+        and _plain(g, root, scatter_list, tensor, False)
+    ):
+        if scatter_list is not None:  # the root: its list straight into the operation's buffer
+            whole, n = p.send, tensor.size
+            for i, a in enumerate(scatter_list):
+                whole[i * n : (i + 1) * n] = a.reshape(-1)
+        run_ready(g, "scatter", p, None, tensor)
+        return None
     g, out, root, ins = _rooted("scatter", group, tensor, src, group_src, "src", scatter_list, "scatter_list")
     send = None if ins is None else packed(ins)
     if ins is not None and (send is None or g.xp.may_share_memory(send, out)):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from commlib._collectives import ready_op, run_ready
 from commlib._group import ProcessGroup, Work
+from commlib._world import _state as _world
 from commlib._world import label, resolve
 from commlib.backends.base import Backend
 
@@ -73,6 +77,18 @@ def send(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until the buffer may be reused."""
+    g = _world.world if group is None else group
+    if (
+        type(tensor) is np.ndarray
+        and type(dst) is int
+        and type(tag) is int
+        and group_dst is None
+        and tensor.flags.c_contiguous
+        and type(g) is ProcessGroup
+        and (p := ready_op(g, "send", (tensor.shape, tensor.dtype, dst, tag))) is not None
+    ):
+        run_ready(g, "send", p, tensor, None, collective=False)
+        return
     g, b, args = _send_args(tensor, dst, group, tag, group_dst, "send")
     fused = g.fused.get("send") if g.host else None
     if fused is not None:
@@ -85,6 +101,18 @@ def recv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
+    g = _world.world if group is None else group
+    if (
+        type(tensor) is np.ndarray
+        and type(src) is int
+        and type(tag) is int
+        and group_src is None
+        and tensor.flags.carray
+        and type(g) is ProcessGroup
+        and (p := ready_op(g, "recv", (tensor.shape, tensor.dtype, src, tag))) is not None
+    ):
+        run_ready(g, "recv", p, None, tensor, collective=False)
+        return src
     g, b, args = _recv_args(tensor, src, group, tag, group_src, "recv")
     peer = args[1]
     fused = g.fused.get("recv") if g.host and peer is not None else None

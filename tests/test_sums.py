@@ -101,8 +101,8 @@ def test_detail_mode_checks_every_call_so_it_has_no_lookup() -> None:
 
 
 def ready_job() -> dict:
-    """broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single through
-    Backend.residents: scenario -> problem."""
+    """broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, gather, scatter,
+    barrier, send and recv through Backend.residents: scenario -> problem."""
     import commlib as dist
     from commlib._world import _state
 
@@ -152,11 +152,37 @@ def ready_job() -> dict:
             check(f"all_to_all_single {np.dtype(dtype)} #{step}", got.tolist(), want)
             dist.all_to_all_single(a2a, a2a)  # in place: the input is copied in before anything moves
             check(f"all_to_all_single in place {np.dtype(dtype)} #{step}", a2a.tolist(), want)
+            for root in range(n):
+                mine = np.arange(4, dtype=dtype).reshape(2, 2) + 10 * me + step
+                parts = [np.full((2, 2), -1, dtype) for _ in range(n)] if me == root else None
+                dist.gather(mine, parts, dst=root)
+                if me == root:
+                    want = [(np.arange(4).reshape(2, 2) + 10 * k + step).tolist() for k in range(n)]
+                    check(f"gather {np.dtype(dtype)} dst={root} #{step}", [a.tolist() for a in parts], want)
+                sent = [np.arange(4, dtype=dtype).reshape(2, 2) + 10 * k + step for k in range(n)]
+                got = np.full((2, 2), -1, dtype)
+                dist.scatter(got, sent if me == root else None, src=root)
+                want = (np.arange(4).reshape(2, 2) + 10 * me + step).tolist()
+                check(f"scatter {np.dtype(dtype)} src={root} #{step}", got.tolist(), want)
+    for _ in range(2):
+        dist.barrier()
+    for step in range(2):  # point to point: ranks 0 and 1, a round trip
+        buf = np.full(3, step, np.float32)
+        if me == 0:
+            dist.send(buf, dst=1, tag=5)
+            check(f"recv returns the source #{step}", dist.recv(buf, src=1, tag=6), 1)
+            check(f"send and recv #{step}", buf.tolist(), [step + 1.0] * 3)
+        elif me == 1:
+            buf[:] = -1
+            dist.recv(buf, src=0, tag=5)
+            check(f"recv #{step}", buf.tolist(), [float(step)] * 3)
+            dist.send(buf + 1, dst=0, tag=6)
     ready = g.ready
     want = {"broadcast": 3 * n, "reduce": 3 * n, "all_gather": 3, "reduce_scatter": 3, "all_to_all": 3}
+    want.update(gather=3 * n, scatter=3 * n, barrier=1, send=int(me < 2), recv=int(me < 2))
     check("entries", {k: len(v) for k, v in ready.items()}, want)
     # the lookup stays a mirror of the cache: every entry is a live operation of it
-    live = set(g.backend.persistent.ops.values())
+    live = {*g.backend.persistent.ops.values(), *g.backend.p2p.ops.values()}
     check("mirror", all(op in live for t in ready.values() for op in t.values()), True)
     # a call that times out on the ready path: fenced, output untouched, operation forgotten
     sub = dist.new_group([0, 1], timeout=1.0)
@@ -181,6 +207,6 @@ def ready_job() -> dict:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_broadcast_reduce_all_gather_reduce_scatter_all_to_all_run_ready_operations(n: int) -> None:
+def test_collectives_run_ready_operations(n: int) -> None:
     for rank, problems in enumerate(run(ready_job, n, timeout=120)):
         assert problems == {}, f"rank {rank}: {problems}"

@@ -366,21 +366,22 @@ class Persistent:
 
 
 class PersistentCache:
-    """The persistent collectives of one communicator, by description, at most ``limit`` (the oldest go first).
+    """The persistent operations of one communicator, by description, at most ``limit`` (the oldest go first).
 
     Keys describe the call (kind, shapes, dtype, op or root), never a buffer's address: every
     rank makes the same calls in the same order, so every rank creates (and evicts) the same
     persistent operations at the same points. That matters: creating one is collective in MPI.
     """
 
-    def __init__(self, limit: int = 64) -> None:
+    def __init__(self, limit: int = 64, ready: dict[str, dict[tuple, Resident]] | None = None) -> None:
         self.limit = limit
         self.ops: dict[tuple, Persistent] = {}
         #: the in-place SUM all_reduces among ``ops``, by (shape, dtype): see ``Backend.sums``
         self.sums: dict[tuple, Resident] = {}
-        #: broadcasts, SUM reduces, all_gathers, SUM reduce_scatters and all_to_alls among ``ops``:
-        #: see ``Backend.residents``
-        self.ready: dict[str, dict[tuple, Resident]] = {k: {} for k in _READY}
+        #: broadcasts, SUM reduces, all_gathers, SUM reduce_scatters, all_to_alls, gathers, scatters, the
+        #: barrier, sends and receives among ``ops``: see ``Backend.residents`` (``ready``: another cache's
+        #: tables, shared)
+        self.ready: dict[str, dict[tuple, Resident]] = {k: {} for k in _READY} if ready is None else ready
         _caches.add(self)
 
     def add(self, key: tuple, op: Persistent) -> Persistent:
@@ -415,11 +416,11 @@ class PersistentCache:
             op.req.Free()
         self.ops.clear()
         self.sums.clear()
-        for table in self.ready.values():
+        for table in self.ready.values():  # shared tables: everything goes when the backend closes
             table.clear()
 
 
-def _lookup(key: tuple) -> tuple[str, tuple, np.dtype, int] | None:
+def _lookup(key: tuple) -> tuple[str, tuple, np.dtype | None, int] | None:
     """Where the group layer finds the operation of ``key`` (Backend.sums / residents): (table, entry, the
     callers' dtype, their element count for the flight recorder); None: only through Backend.fused."""
     kind = key[0]
@@ -435,11 +436,20 @@ def _lookup(key: tuple) -> tuple[str, tuple, np.dtype, int] | None:
         return "reduce_scatter", (key[1], key[3], key[2], key[3]), key[3], math.prod(key[1])
     if kind == "all_to_all":  # (kind, input shape, output shape, dtype): equal splits only
         return "all_to_all", (key[1], key[3], key[2], key[3]), key[3], math.prod(key[1])
+    if kind in ("gather", "scatter"):  # (kind, chunk shape, dtype, root)
+        return kind, key[1:], key[2], math.prod(key[1])
+    if kind == "barrier":
+        return "barrier", (), None, 0
+    if kind in ("send", "recv"):  # (kind, shape, dtype, peer, tag)
+        return kind, key[1:], key[2], math.prod(key[1])
     return None
 
 
 #: the tables of Backend.residents
-_READY = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
+_READY = (
+    *("broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier"),
+    *("send", "recv"),
+)
 
 
 _caches: weakref.WeakSet[PersistentCache] = weakref.WeakSet()

@@ -72,6 +72,9 @@ class MpiBackend(Backend):
         self.native = os.environ.get("COMMLIB_MPI_COMPOSED") != "1"
         self.abandoned: list = []  # requests a wait gave up on: MPI may still use their buffers
         self.persistent = PersistentCache()
+        # sends and receives apart: each rank makes its own, so they must not push collectives out of
+        # ``persistent`` (whose ranks evict in step); one lookup table for the group layer
+        self.p2p = PersistentCache(ready=self.persistent.ready)
         # Every kind of collective on the base communicator until separate_kinds() gives each its own.
         self.dups: list[MPI.Intracomm] = []
         self.reduce_comm = self.reduce_scatter_comm = self.broadcast_comm = self.all_gather_comm = comm
@@ -369,10 +372,27 @@ class MpiBackend(Backend):
         return p.run(None, None, timeout)
 
     def _send_now(self, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
-        return settle(self.comm.Isend([buf, MOVE_TYPE[buf.dtype]], peer, tag), timeout, self.abandoned, buf.nbytes)
+        if buf.nbytes > PERSISTENT_MAX:
+            req = self.comm.Isend([buf, MOVE_TYPE[buf.dtype]], peer, tag)
+            return settle(req, timeout, self.abandoned, buf.nbytes)
+        # a persistent send per (shape, dtype, peer, tag): point to point, so each rank keeps its own
+        key = ("send", buf.shape, buf.dtype, peer, tag)
+        p = self.p2p.ops.get(key)
+        if p is None:
+            scratch, spec = self._scratch(buf.shape, buf.dtype)
+            p = self.p2p.add(key, Persistent(self.comm.Send_init(spec, peer, tag), scratch, None))
+        return p.run(buf, None, timeout)
 
     def _recv_now(self, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
-        return settle(self.comm.Irecv([buf, MOVE_TYPE[buf.dtype]], peer, tag), timeout, self.abandoned, buf.nbytes)
+        if buf.nbytes > PERSISTENT_MAX:
+            req = self.comm.Irecv([buf, MOVE_TYPE[buf.dtype]], peer, tag)
+            return settle(req, timeout, self.abandoned, buf.nbytes)
+        key = ("recv", buf.shape, buf.dtype, peer, tag)
+        p = self.p2p.ops.get(key)
+        if p is None:
+            scratch, spec = self._scratch(buf.shape, buf.dtype)
+            p = self.p2p.add(key, Persistent(self.comm.Recv_init(spec, peer, tag), None, scratch))
+        return p.run(None, buf, timeout)
 
     # -- communicators -----------------------------------------------------------------------------
     def split(self, ranks: list[int], timeout: float) -> MpiBackend | None:
@@ -406,6 +426,7 @@ class MpiBackend(Backend):
     def close(self) -> None:
         """Free the persistent operations, the per-kind duplicates and the communicator (never the world's)."""
         self.persistent.close()
+        self.p2p.close()
         for comm in self.dups:
             if comm != MPI.COMM_NULL:
                 comm.Free()
