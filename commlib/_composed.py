@@ -21,6 +21,9 @@ from commlib._world import resolve
 __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
 
 
+_INT = {int}
+
+
 def _splits(g: ProcessGroup, call: str, arg: str, sizes: Any, a: np.ndarray) -> list[int]:
     rows = a.shape[0] if a.ndim else 1
     row = a.size // rows if rows else 0
@@ -31,6 +34,10 @@ def _splits(g: ProcessGroup, call: str, arg: str, sizes: Any, a: np.ndarray) -> 
                 f"group size {g.size} when no split sizes are given"
             )
         return [rows // g.size * row] * g.size
+    # the common case, checked at C speed (the genexpr below costs ~2 us); anything else is explained below
+    ints = type(sizes) is list and len(sizes) == g.size and set(map(type, sizes)) == _INT
+    if ints and min(sizes) >= 0 and sum(sizes) == rows:
+        return [s * row for s in sizes]
     sizes = list(sizes)
     if len(sizes) != g.size or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in sizes):
         raise ValueError(f"{g.label}{call}: {arg} must be {g.size} non-negative ints, got {sizes}")

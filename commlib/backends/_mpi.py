@@ -178,11 +178,12 @@ def _nbytes(keep: object) -> int:
 class Requests:
     """A handle over several MPI requests (e.g. an uneven all-to-all's sends and receives): done when all are."""
 
-    __slots__ = ("keep", "reqs")
+    __slots__ = ("keep", "nbytes", "reqs")
 
-    def __init__(self, reqs: list[MPI.Request], keep: object = None) -> None:
+    def __init__(self, reqs: list[MPI.Request], keep: object = None, nbytes: int | None = None) -> None:
         self.reqs = reqs
         self.keep = keep  # the buffers MPI reads or writes until completion
+        self.nbytes = _nbytes(keep) if nbytes is None else nbytes  # their size
 
     def test(self) -> bool:
         try:
@@ -192,7 +193,7 @@ class Requests:
 
     def wait(self, timeout: float) -> bool:
         """Each request in turn, in MPI's own wait where it is large (:func:`settle`); one deadline for all."""
-        reqs, nbytes = self.reqs, _nbytes(self.keep)
+        reqs, nbytes = self.reqs, self.nbytes
         if nbytes < 4 * BLOCK_FROM or not BLOCK_FROM:  # small messages: done within a few tests
             try:
                 for _ in _FAST_POLLS:

@@ -51,7 +51,7 @@ PIECES_FROM = 4 * PIECE_BYTES if PIECE_BYTES else 1 << 62  # see _mpi.pieces
 def _even(scounts: list[int], rcounts: list[int]) -> bool:
     """Every block the same size, sent and received."""
     k = scounts[0]
-    return all(c == k for c in scounts) and all(c == k for c in rcounts)
+    return scounts.count(k) == len(scounts) and rcounts.count(k) == len(rcounts)  # count(): C speed
 
 
 _TAG_EXCHANGE = 0  # all_to_all_comm carries only all-to-alls: messages match in the order they are posted
@@ -223,7 +223,7 @@ class MpiBackend(Backend):
             if scounts[dst]:
                 reqs.append(comm.Isend([sflat[sd[dst] : sd[dst + 1]], t], dst, _TAG_EXCHANGE))
         rflat[rd[me] : rd[me + 1]] = sflat[sd[me] : sd[me + 1]]
-        return Requests(reqs, (sbuf, rbuf))
+        return Requests(reqs, (sbuf, rbuf), sbuf.nbytes + rbuf.nbytes)
 
     def send(self, buf: np.ndarray, peer: int, tag: int) -> Handle:
         return Req(self.comm.Isend([buf, MOVE_TYPE[buf.dtype]], peer, tag), buf)
