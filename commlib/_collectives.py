@@ -197,6 +197,43 @@ def ready_op(g: ProcessGroup, call: str, key: tuple) -> Any:
     return None if ready is None or g.pending else ready[call].get(key)
 
 
+def ready_rooted(
+    table: str, tensor: Any, root: Any, group: Any, group_root: Any, async_op: bool, writes: bool = True
+) -> tuple[ProcessGroup, Any] | None:
+    """(group, ready operation) for a blocking call on one numpy array and a root given as a global rank
+    (broadcast, reduce, gather, scatter; ``writes``: the call writes the array), or None: the generic path."""
+    g = _world.world if group is None else group
+    if (
+        not async_op
+        and type(tensor) is _ndarray
+        and type(root) is int
+        and group_root is None
+        and (tensor.flags.carray if writes else tensor.flags.c_contiguous)
+        and type(g) is ProcessGroup
+        and (p := ready_op(g, table, (tensor.shape, tensor.dtype, root))) is not None
+    ):
+        return g, p
+    return None
+
+
+def ready_paired(table: str, output: Any, input: Any, group: Any, async_op: bool) -> tuple[ProcessGroup, Any] | None:
+    """(group, ready operation) for a blocking call from one numpy array into another (all_gather,
+    reduce_scatter, all_to_all), or None: the generic path. The input may be part of the output: the
+    operation copies it in before anything moves."""
+    g = _world.world if group is None else group
+    if (
+        not async_op
+        and type(input) is _ndarray
+        and type(output) is _ndarray
+        and input.flags.c_contiguous
+        and output.flags.carray
+        and type(g) is ProcessGroup
+        and (p := ready_op(g, table, (input.shape, input.dtype, output.shape, output.dtype))) is not None
+    ):
+        return g, p
+    return None
+
+
 def broadcast(
     tensor: Any,
     src: int | None = None,
@@ -205,17 +242,8 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
-    g = _world.world if group is None else group
-    if (
-        not async_op
-        and type(tensor) is _ndarray
-        and type(src) is int
-        and group_src is None
-        and tensor.flags.carray
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, "broadcast", (tensor.shape, tensor.dtype, src))) is not None
-    ):
-        run_ready(g, "broadcast", p, tensor, tensor)
+    if (ready := ready_rooted("broadcast", tensor, src, group, group_src, async_op)) is not None:
+        run_ready(ready[0], "broadcast", ready[1], tensor, tensor)
         return None
     g, _ = resolve(group, "broadcast")
     a = g.buffer(tensor, g, "broadcast", "tensor")
@@ -235,18 +263,8 @@ def reduce(
 ) -> Work | None:
     """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
     call = "reduce"
-    g = _world.world if group is None else group
-    if (
-        op is _SUM
-        and not async_op
-        and type(tensor) is _ndarray
-        and type(dst) is int
-        and group_dst is None
-        and tensor.flags.carray
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, call, (tensor.shape, tensor.dtype, dst))) is not None
-    ):
-        run_ready(g, call, p, tensor, tensor)
+    if op is _SUM and (ready := ready_rooted(call, tensor, dst, group, group_dst, async_op)) is not None:
+        run_ready(ready[0], call, ready[1], tensor, tensor)
         return None
     g, _ = resolve(group, call)
     a = g.buffer(tensor, g, call, "tensor")
@@ -270,18 +288,8 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
     call = "all_gather_into_tensor"
-    g = _world.world if group is None else group
-    inp, out = input_tensor, output_tensor
-    if (
-        not async_op
-        and type(inp) is _ndarray
-        and type(out) is _ndarray
-        and inp.flags.c_contiguous
-        and out.flags.carray
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, "all_gather", (inp.shape, inp.dtype, out.shape, out.dtype))) is not None
-    ):
-        run_ready(g, call, p, inp, out)  # a chunk of out as inp is fine: it is copied in first
+    if (ready := ready_paired("all_gather", output_tensor, input_tensor, group, async_op)) is not None:
+        run_ready(ready[0], call, ready[1], input_tensor, output_tensor)
         return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output_tensor, "output_tensor", input_tensor, "input_tensor")
@@ -366,18 +374,8 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
     call = "reduce_scatter_tensor"
-    g = _world.world if group is None else group
-    if (
-        op is _SUM
-        and not async_op
-        and type(input) is _ndarray
-        and type(output) is _ndarray
-        and input.flags.c_contiguous
-        and output.flags.carray
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, "reduce_scatter", (input.shape, input.dtype, output.shape, output.dtype))) is not None
-    ):
-        run_ready(g, call, p, input, output)
+    if op is _SUM and (ready := ready_paired("reduce_scatter", output, input, group, async_op)) is not None:
+        run_ready(ready[0], call, ready[1], input, output)
         return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output, "output", input, "input")

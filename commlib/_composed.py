@@ -12,10 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import check_list, packed, pair, ready_op, root_rank, run_ready, unpack
+from commlib._collectives import check_list, packed, pair, ready_paired, ready_rooted, root_rank, run_ready, unpack
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
-from commlib._world import _state as _world
 from commlib._world import resolve
 
 __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
@@ -66,19 +65,9 @@ def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
-    g = _world.world if group is None else group
-    if (
-        not async_op
-        and output_split_sizes is None
-        and input_split_sizes is None
-        and type(input) is np.ndarray
-        and type(output) is np.ndarray
-        and input.flags.c_contiguous
-        and output.flags.carray
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, "all_to_all", (input.shape, input.dtype, output.shape, output.dtype))) is not None
-    ):
-        run_ready(g, call, p, input, output)  # equal splits; the input is copied in first, so it may be output
+    even = output_split_sizes is None and input_split_sizes is None
+    if even and (ready := ready_paired("all_to_all", output, input, group, async_op)) is not None:
+        run_ready(ready[0], call, ready[1], input, output)
         return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output, "output", input, "input")
@@ -184,19 +173,11 @@ def gather(
     group_dst: int | None = None,
 ) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
-    g = _world.world if group is None else group
     root = 0 if dst is None else dst
-    if (
-        not async_op
-        and group_dst is None
-        and type(tensor) is np.ndarray
-        and type(root) is int
-        and tensor.flags.c_contiguous
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, "gather", (tensor.shape, tensor.dtype, root))) is not None
-        and _plain(g, root, gather_list, tensor, True)
-    ):
-        run_ready(g, "gather", p, tensor, _Unpack(gather_list) if gather_list is not None else None)
+    ready = ready_rooted("gather", tensor, root, group, group_dst, async_op, writes=False)
+    if ready is not None and _plain(ready[0], root, gather_list, tensor, True):
+        out = None if gather_list is None else _Unpack(gather_list)
+        run_ready(ready[0], "gather", ready[1], tensor, out)
         return None
     g, inp, root, outs = _rooted("gather", group, tensor, dst, group_dst, "dst", gather_list, "gather_list")
     flat, finish = (packed(outs) if outs is not None else None), None
@@ -215,18 +196,10 @@ def scatter(
     group_src: int | None = None,
 ) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
-    g = _world.world if group is None else group
     root = 0 if src is None else src
-    if (
-        not async_op
-        and group_src is None
-        and type(tensor) is np.ndarray
-        and type(root) is int
-        and tensor.flags.carray
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, "scatter", (tensor.shape, tensor.dtype, root))) is not None
-        and _plain(g, root, scatter_list, tensor, False)
-    ):
+    ready = ready_rooted("scatter", tensor, root, group, group_src, async_op)
+    if ready is not None and _plain(ready[0], root, scatter_list, tensor, False):
+        g, p = ready
         if scatter_list is not None:  # the root: its list straight into the operation's buffer
             rows = p.send.reshape((g.size, *tensor.shape))
             for i, a in enumerate(scatter_list):

@@ -45,6 +45,25 @@ def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
     return tag
 
 
+def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_peer: Any) -> bool:
+    """Run a blocking send or recv of a numpy array through the backend's ready operation, if it has one
+    (a peer given as a global rank); False: the generic path."""
+    g = _world.world if group is None else group
+    sending = call == "send"
+    if (
+        type(tensor) is np.ndarray
+        and type(peer) is int
+        and type(tag) is int
+        and group_peer is None
+        and (tensor.flags.c_contiguous if sending else tensor.flags.carray)
+        and type(g) is ProcessGroup
+        and (p := ready_op(g, call, (tensor.shape, tensor.dtype, peer, tag))) is not None
+    ):
+        run_ready(g, call, p, tensor if sending else None, None if sending else tensor, collective=False)
+        return True
+    return False
+
+
 def _send_args(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> tuple:
     g, b = resolve(group, call)
     a = g.buffer(tensor, g, call, "tensor", writable=False)
@@ -77,17 +96,7 @@ def send(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until the buffer may be reused."""
-    g = _world.world if group is None else group
-    if (
-        type(tensor) is np.ndarray
-        and type(dst) is int
-        and type(tag) is int
-        and group_dst is None
-        and tensor.flags.c_contiguous
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, "send", (tensor.shape, tensor.dtype, dst, tag))) is not None
-    ):
-        run_ready(g, "send", p, tensor, None, collective=False)
+    if _ran_ready("send", tensor, dst, group, tag, group_dst):
         return
     g, b, args = _send_args(tensor, dst, group, tag, group_dst, "send")
     fused = g.fused.get("send") if g.host else None
@@ -101,18 +110,8 @@ def recv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
-    g = _world.world if group is None else group
-    if (
-        type(tensor) is np.ndarray
-        and type(src) is int
-        and type(tag) is int
-        and group_src is None
-        and tensor.flags.carray
-        and type(g) is ProcessGroup
-        and (p := ready_op(g, "recv", (tensor.shape, tensor.dtype, src, tag))) is not None
-    ):
-        run_ready(g, "recv", p, None, tensor, collective=False)
-        return src
+    if _ran_ready("recv", tensor, src, group, tag, group_src):
+        return src  # type: ignore[return-value]  # an int: _ran_ready checked
     g, b, args = _recv_args(tensor, src, group, tag, group_src, "recv")
     peer = args[1]
     fused = g.fused.get("recv") if g.host and peer is not None else None

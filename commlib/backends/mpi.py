@@ -372,27 +372,25 @@ class MpiBackend(Backend):
         return p.run(None, None, timeout)
 
     def _send_now(self, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
-        if buf.nbytes > PERSISTENT_MAX:
-            req = self.comm.Isend([buf, MOVE_TYPE[buf.dtype]], peer, tag)
-            return settle(req, timeout, self.abandoned, buf.nbytes)
-        # a persistent send per (shape, dtype, peer, tag): point to point, so each rank keeps its own
-        key = ("send", buf.shape, buf.dtype, peer, tag)
-        p = self.p2p.ops.get(key)
-        if p is None:
-            scratch, spec = self._scratch(buf.shape, buf.dtype)
-            p = self.p2p.add(key, Persistent(self.comm.Send_init(spec, peer, tag), scratch, None))
-        return p.run(buf, None, timeout)
+        return self._point_now(True, buf, peer, tag, timeout)
 
     def _recv_now(self, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
+        return self._point_now(False, buf, peer, tag, timeout)
+
+    def _point_now(self, sending: bool, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
+        """A blocking send (``sending``) or receive: small ones as a persistent request per (shape, dtype, peer,
+        tag), each rank its own (point to point: nothing to keep in step with other ranks)."""
+        comm = self.comm
         if buf.nbytes > PERSISTENT_MAX:
-            req = self.comm.Irecv([buf, MOVE_TYPE[buf.dtype]], peer, tag)
+            req = (comm.Isend if sending else comm.Irecv)([buf, MOVE_TYPE[buf.dtype]], peer, tag)
             return settle(req, timeout, self.abandoned, buf.nbytes)
-        key = ("recv", buf.shape, buf.dtype, peer, tag)
+        key = ("send" if sending else "recv", buf.shape, buf.dtype, peer, tag)
         p = self.p2p.ops.get(key)
         if p is None:
             scratch, spec = self._scratch(buf.shape, buf.dtype)
-            p = self.p2p.add(key, Persistent(self.comm.Recv_init(spec, peer, tag), None, scratch))
-        return p.run(None, buf, timeout)
+            req = (comm.Send_init if sending else comm.Recv_init)(spec, peer, tag)
+            p = self.p2p.add(key, Persistent(req, scratch, None) if sending else Persistent(req, None, scratch))
+        return p.run(buf, None, timeout) if sending else p.run(None, buf, timeout)
 
     # -- communicators -----------------------------------------------------------------------------
     def split(self, ranks: list[int], timeout: float) -> MpiBackend | None:
