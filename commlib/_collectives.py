@@ -216,10 +216,12 @@ def ready_rooted(
     return None
 
 
-def ready_paired(table: str, output: Any, input: Any, group: Any, async_op: bool) -> tuple[ProcessGroup, Any] | None:
+def ready_paired(
+    table: str, output: Any, input: Any, group: Any, async_op: bool, splits: tuple | None = None
+) -> tuple[ProcessGroup, Any] | None:
     """(group, ready operation) for a blocking call from one numpy array into another (all_gather,
-    reduce_scatter, all_to_all), or None: the generic path. The input may be part of the output: the
-    operation copies it in before anything moves."""
+    reduce_scatter, all_to_all; ``splits``: an uneven all_to_all's (input, output) split sizes), or None:
+    the generic path. The input may be part of the output: the operation copies it in before anything moves."""
     g = _world.world if group is None else group
     if (
         not async_op
@@ -228,9 +230,10 @@ def ready_paired(table: str, output: Any, input: Any, group: Any, async_op: bool
         and input.flags.c_contiguous
         and output.flags.carray
         and type(g) is ProcessGroup
-        and (p := ready_op(g, table, (input.shape, input.dtype, output.shape, output.dtype))) is not None
     ):
-        return g, p
+        key = (input.shape, input.dtype, output.shape, output.dtype)
+        if (p := ready_op(g, table, key if splits is None else (*key, splits))) is not None:
+            return g, p
     return None
 
 

@@ -23,6 +23,11 @@ __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
 _INT = {int}
 
 
+def _int_list(sizes: Any) -> bool:
+    """A non-empty list of ints (not bools), checked at C speed."""
+    return type(sizes) is list and set(map(type, sizes)) == _INT
+
+
 def _splits(g: ProcessGroup, call: str, arg: str, sizes: Any, a: np.ndarray) -> list[int]:
     rows = a.shape[0] if a.ndim else 1
     row = a.size // rows if rows else 0
@@ -34,8 +39,7 @@ def _splits(g: ProcessGroup, call: str, arg: str, sizes: Any, a: np.ndarray) -> 
             )
         return [rows // g.size * row] * g.size
     # the common case, checked at C speed (the genexpr below costs ~2 us); anything else is explained below
-    ints = type(sizes) is list and len(sizes) == g.size and set(map(type, sizes)) == _INT
-    if ints and min(sizes) >= 0 and sum(sizes) == rows:
+    if len(sizes) == g.size and _int_list(sizes) and min(sizes) >= 0 and sum(sizes) == rows:
         return [s * row for s in sizes]
     sizes = list(sizes)
     if len(sizes) != g.size or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in sizes):
@@ -65,8 +69,14 @@ def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
-    even = output_split_sizes is None and input_split_sizes is None
-    if even and (ready := ready_paired("all_to_all", output, input, group, async_op)) is not None:
+    if output_split_sizes is None and input_split_sizes is None:
+        ready = ready_paired("all_to_all", output, input, group, async_op)
+    elif _int_list(input_split_sizes) and _int_list(output_split_sizes):  # as the generic path saw them before
+        splits = (tuple(input_split_sizes), tuple(output_split_sizes))  # type: ignore[arg-type]
+        ready = ready_paired("all_to_all_v", output, input, group, async_op, splits)
+    else:
+        ready = None
+    if ready is not None:
         run_ready(ready[0], call, ready[1], input, output)
         return None
     g, _ = resolve(group, call)

@@ -101,8 +101,8 @@ def test_detail_mode_checks_every_call_so_it_has_no_lookup() -> None:
 
 
 def ready_job() -> dict:
-    """broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, gather, scatter,
-    barrier, send and recv through Backend.residents: scenario -> problem."""
+    """broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (even and
+    uneven), gather, scatter, barrier, send and recv through Backend.residents: scenario -> problem."""
     import commlib as dist
     from commlib._world import _state
 
@@ -152,6 +152,13 @@ def ready_job() -> dict:
             check(f"all_to_all_single {np.dtype(dtype)} #{step}", got.tolist(), want)
             dist.all_to_all_single(a2a, a2a)  # in place: the input is copied in before anything moves
             check(f"all_to_all_single in place {np.dtype(dtype)} #{step}", a2a.tolist(), want)
+            rows = lambda r, k: 1 + (r + k) % 2  # noqa: E731  # rows rank r sends rank k: uneven splits
+            ins, outs = [rows(me, k) for k in range(n)], [rows(k, me) for k in range(n)]
+            x = np.concatenate([np.full((rows(me, k), 2), 10 * me + k + step, dtype) for k in range(n)])
+            got = np.full((sum(outs), 2), -1, dtype)
+            dist.all_to_all_single(got, x, outs, ins)
+            want = [[float(10 * k + me + step)] * 2 for k in range(n) for _ in range(rows(k, me))]
+            check(f"all_to_all_single uneven {np.dtype(dtype)} #{step}", got.tolist(), want)
             for root in range(n):
                 mine = np.arange(4, dtype=dtype).reshape(2, 2) + 10 * me + step
                 parts = [np.full((2, 2), -1, dtype) for _ in range(n)] if me == root else None
@@ -179,7 +186,7 @@ def ready_job() -> dict:
             dist.send(buf + 1, dst=0, tag=6)
     ready = g.ready
     want = {"broadcast": 3 * n, "reduce": 3 * n, "all_gather": 3, "reduce_scatter": 3, "all_to_all": 3}
-    want.update(gather=3 * n, scatter=3 * n, barrier=1, send=int(me < 2), recv=int(me < 2))
+    want.update(gather=3 * n, scatter=3 * n, barrier=1, all_to_all_v=3, send=int(me < 2), recv=int(me < 2))
     check("entries", {k: len(v) for k, v in ready.items()}, want)
     # the lookup stays a mirror of the cache: every entry is a live operation of it
     live = {*g.backend.persistent.ops.values(), *g.backend.p2p.ops.values()}
@@ -200,6 +207,23 @@ def ready_job() -> dict:
             check("output untouched", out.tolist(), [7.0] * 4)
             check("fenced", sub.ready, None)
             check("forgotten", op in sub.backend.persistent.ops.values(), False)
+    # the same for an uneven all_to_all, whose ready operation is persistent sends and receives
+    sub2 = dist.new_group([0, 1], timeout=1.0)
+    if me < 2:
+        x, got, splits = np.arange(3, dtype=np.float32), np.zeros(3, np.float32), ([1, 2], [2, 1])[me]
+        dist.all_to_all_single(got, x, splits, splits, group=sub2)
+        key = ((3,), np.dtype(np.float32), (3,), np.dtype(np.float32), (tuple(splits), tuple(splits)))
+        op = sub2.ready["all_to_all_v"][key]
+        if me == 0:  # rank 1 makes one call fewer
+            got[:] = 7
+            try:
+                dist.all_to_all_single(got, x, splits, splits, group=sub2)
+                problems["uneven timeout"] = "no error"
+            except dist.CommTimeoutError as e:
+                check("uneven timeout names the call", "all_to_all_single" in str(e), True)
+            check("uneven output untouched", got.tolist(), [7.0] * 3)
+            check("uneven fenced", sub2.ready, None)
+            check("uneven forgotten", op in sub2.backend.p2p.ops.values(), False)
     dist.barrier()
     dist.destroy_process_group()
     check("destroyed", g.ready, None)

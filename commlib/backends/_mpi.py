@@ -12,6 +12,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -338,6 +339,10 @@ class Persistent:
         """Resident.error: MPI's exceptions as commlib's."""
         return mpi_error(exc) if isinstance(exc, MPI.Exception) else exc
 
+    def free(self) -> None:
+        """Free the MPI request (it must not be running)."""
+        self.req.Free()
+
     def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float) -> bool:
         """Copy ``inp`` in, run the operation once (False: ``timeout`` passed), copy the result out to ``out``.
 
@@ -366,6 +371,72 @@ class Persistent:
         return True
 
 
+class Exchange:
+    """A small uneven all-to-all over scratch buffers of its own (a base.Resident): persistent receives from
+    and sends to every other rank, and this rank's own block copied between the two buffers.
+
+    Point to point only, so each rank creates and evicts its own (no step to keep with other ranks).
+    """
+
+    __slots__ = ("buf", "cache", "count", "dtype", "key", "own", "recv", "reqs", "send")
+
+    def __init__(self, reqs: list[MPI.Prequest], send: np.ndarray, recv: np.ndarray, own: tuple) -> None:
+        self.reqs, self.send, self.recv, self.buf = reqs, send, recv, recv
+        self.own = own  # (this rank's block in recv, its block in send): views of the scratch buffers
+        self.cache: PersistentCache | None = None  # set by PersistentCache.add
+        self.key: tuple = ()
+        self.dtype: np.dtype | None = None
+        self.count = 0
+
+    def start(self) -> None:
+        MPI.Prequest.Startall(self.reqs)
+        mine, theirs = self.own
+        mine[...] = theirs
+
+    def test(self) -> bool:
+        return MPI.Request.Testall(self.reqs)
+
+    def wait(self, timeout: float) -> bool:
+        """Resident.wait: False when ``timeout`` passed (the exchange may still run: never started again)."""
+        try:
+            if poll(self.test, timeout):
+                return True
+        except BaseException:
+            if self.cache is not None:
+                self.cache.forget(self.key)
+            raise
+        if self.cache is not None:
+            self.cache.forget(self.key)
+        return False
+
+    error = staticmethod(Persistent.error)
+
+    def free(self) -> None:
+        for req in self.reqs:
+            req.Free()
+
+    def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float) -> bool:
+        """Copy ``inp`` in, exchange, copy the result out to ``out`` (False: ``timeout`` passed)."""
+        if inp is not None:
+            self.send[...] = inp
+        try:
+            self.start()
+            for _ in _FAST_POLLS:
+                if self.test():
+                    break
+            else:
+                if not self.wait(timeout):
+                    return False
+        except MPI.Exception as e:
+            raise mpi_error(e) from None
+        if out is not None:
+            out[...] = self.recv
+        return True
+
+
+_P = TypeVar("_P", Persistent, Exchange)
+
+
 class PersistentCache:
     """The persistent operations of one communicator, by description, at most ``limit`` (the oldest go first).
 
@@ -376,7 +447,7 @@ class PersistentCache:
 
     def __init__(self, limit: int = 64, ready: dict[str, dict[tuple, Resident]] | None = None) -> None:
         self.limit = limit
-        self.ops: dict[tuple, Persistent] = {}
+        self.ops: dict[tuple, Persistent | Exchange] = {}
         #: the in-place SUM all_reduces among ``ops``, by (shape, dtype): see ``Backend.sums``
         self.sums: dict[tuple, Resident] = {}
         #: broadcasts, SUM reduces, all_gathers, SUM reduce_scatters, all_to_alls, gathers, scatters, the
@@ -385,10 +456,10 @@ class PersistentCache:
         self.ready: dict[str, dict[tuple, Resident]] = {k: {} for k in _READY} if ready is None else ready
         _caches.add(self)
 
-    def add(self, key: tuple, op: Persistent) -> Persistent:
+    def add(self, key: tuple, op: _P) -> _P:
         """Keep ``op`` under ``key``, freeing the oldest operation when the cache is full."""
         if len(self.ops) >= self.limit:
-            self._drop(next(iter(self.ops))).req.Free()
+            self._drop(next(iter(self.ops))).free()
         self.ops[key] = op
         op.cache, op.key = self, key
         lookup = _lookup(key)
@@ -397,7 +468,7 @@ class PersistentCache:
             (self.sums if table == "sums" else self.ready[table])[entry] = op
         return op
 
-    def _drop(self, key: tuple) -> Persistent:
+    def _drop(self, key: tuple) -> Persistent | Exchange:
         op = self.ops.pop(key)
         lookup = _lookup(key)
         if lookup is not None:
@@ -414,7 +485,7 @@ class PersistentCache:
     def close(self) -> None:
         """Free every operation (none may be running: the group layer waits for its calls)."""
         for op in self.ops.values():
-            op.req.Free()
+            op.free()
         self.ops.clear()
         self.sums.clear()
         for table in self.ready.values():  # shared tables: everything goes when the backend closes
@@ -441,6 +512,10 @@ def _lookup(key: tuple) -> tuple[str, tuple, np.dtype | None, int] | None:
         return kind, key[1:], key[2], math.prod(key[1])
     if kind == "barrier":
         return "barrier", (), None, 0
+    if kind == "exchange":  # (kind, input shape, output shape, dtype, send counts, receive counts): uneven
+        srow, rrow = math.prod(key[1][1:]), math.prod(key[2][1:])  # the callers' split sizes count rows
+        splits = (tuple(c // srow for c in key[4]), tuple(c // rrow for c in key[5]))
+        return "all_to_all_v", (key[1], key[3], key[2], key[3], splits), key[3], math.prod(key[1])
     if kind in ("send", "recv"):  # (kind, shape, dtype, peer, tag)
         return kind, key[1:], key[2], math.prod(key[1])
     return None
@@ -449,7 +524,7 @@ def _lookup(key: tuple) -> tuple[str, tuple, np.dtype | None, int] | None:
 #: the tables of Backend.residents
 _READY = (
     *("broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier"),
-    *("send", "recv"),
+    *("all_to_all_v", "send", "recv"),
 )
 
 

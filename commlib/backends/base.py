@@ -342,7 +342,8 @@ class Backend(abc.ABC):
 
         ``"broadcast"`` by ``(shape, dtype, root)``, ``"reduce"`` (SUM, in place) likewise, ``"all_gather"``
         (not in place) by ``(input shape, input dtype, output shape, output dtype)``, ``"reduce_scatter"``
-        (SUM) and ``"all_to_all"`` (equal splits) likewise, ``"gather"`` and ``"scatter"`` by ``(chunk
+        (SUM) and ``"all_to_all"`` (equal splits) likewise, ``"all_to_all_v"`` (uneven) by the same and
+        ``(input split sizes, output split sizes)`` (tuples of rows), ``"gather"`` and ``"scatter"`` by ``(chunk
         shape, dtype, root)`` (the root's buffer is the chunks back to back), ``"barrier"`` by ``()``,
         ``"send"`` and ``"recv"`` by ``(shape, dtype, peer, tag)``; each must give the result of the
         matching :meth:`fused` entry. Same rules as :meth:`sums`; default: None.

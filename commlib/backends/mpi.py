@@ -27,6 +27,7 @@ from commlib.backends._mpi import (
     MOVE_TYPE,
     PIECE_BYTES,
     REDUCTIONS,
+    Exchange,
     Persistent,
     PersistentCache,
     Pieces,
@@ -205,25 +206,42 @@ class MpiBackend(Backend):
         t, k = MOVE_TYPE[recvbuf.dtype], recv_counts[0]
         return Req(self.all_to_all_comm.Ialltoall([sendbuf, k, t], [recvbuf, k, t]), (sendbuf, recvbuf))
 
+    def _new_exchange(
+        self, key: tuple, sbuf: np.ndarray, scounts: list[int], rbuf: np.ndarray, rcounts: list[int]
+    ) -> Exchange:
+        """A small uneven all-to-all as persistent requests over scratch buffers (see :meth:`_exchange`)."""
+        send, _ = self._scratch(sbuf.shape, rbuf.dtype)
+        recv, _ = self._scratch(rbuf.shape, rbuf.dtype)
+        reqs, own = self._pairwise(send.reshape(-1), scounts, recv.reshape(-1), rcounts, persistent=True)
+        return self.p2p.add(key, Exchange(reqs, send, recv, own))
+
     def _exchange(self, sbuf: np.ndarray, scounts: list[int], rbuf: np.ndarray, rcounts: list[int]) -> Requests:
         """Uneven all-to-all: receive from rank - k while sending to rank + k, k = 1 .. size-1; copy our own block.
 
         Empty blocks send no message, so ranks that disagree on a block's size wait (and time out)
         rather than receive a short message silently.
         """
-        t, me, n, comm = MOVE_TYPE[rbuf.dtype], self.rank, self.size, self.all_to_all_comm
+        reqs, (mine, theirs) = self._pairwise(sbuf.reshape(-1), scounts, rbuf.reshape(-1), rcounts, persistent=False)
+        mine[...] = theirs
+        return Requests(reqs, (sbuf, rbuf), sbuf.nbytes + rbuf.nbytes)
+
+    def _pairwise(
+        self, sflat: np.ndarray, scounts: list[int], rflat: np.ndarray, rcounts: list[int], persistent: bool
+    ) -> tuple[list, tuple[np.ndarray, np.ndarray]]:
+        """:meth:`_exchange`'s receives and sends over flat buffers (posted, or persistent and not yet started),
+        and this rank's own block: (its part of ``rflat``, its part of ``sflat``)."""
+        t, me, n, comm = MOVE_TYPE[rflat.dtype], self.rank, self.size, self.all_to_all_comm
+        recv, send = (comm.Recv_init, comm.Send_init) if persistent else (comm.Irecv, comm.Isend)
         # itertools, not numpy: np.cumsum of a short list costs ~6 us, most of a small call
         sd, rd = list(itertools.accumulate(scounts, initial=0)), list(itertools.accumulate(rcounts, initial=0))
-        sflat, rflat = sbuf.reshape(-1), rbuf.reshape(-1)
         reqs = []
         for k in range(1, n):
             src, dst = (me - k) % n, (me + k) % n
             if rcounts[src]:
-                reqs.append(comm.Irecv([rflat[rd[src] : rd[src + 1]], t], src, _TAG_EXCHANGE))
+                reqs.append(recv([rflat[rd[src] : rd[src + 1]], t], src, _TAG_EXCHANGE))
             if scounts[dst]:
-                reqs.append(comm.Isend([sflat[sd[dst] : sd[dst + 1]], t], dst, _TAG_EXCHANGE))
-        rflat[rd[me] : rd[me + 1]] = sflat[sd[me] : sd[me + 1]]
-        return Requests(reqs, (sbuf, rbuf), sbuf.nbytes + rbuf.nbytes)
+                reqs.append(send([sflat[sd[dst] : sd[dst + 1]], t], dst, _TAG_EXCHANGE))
+        return reqs, (rflat[rd[me] : rd[me + 1]], sflat[sd[me] : sd[me + 1]])
 
     def send(self, buf: np.ndarray, peer: int, tag: int) -> Handle:
         return Req(self.comm.Isend([buf, MOVE_TYPE[buf.dtype]], peer, tag), buf)
@@ -326,7 +344,11 @@ class MpiBackend(Backend):
         self, sbuf: np.ndarray, scounts: list[int], rbuf: np.ndarray, rcounts: list[int], timeout: float
     ) -> bool:
         if not _even(scounts, rcounts):
-            return self._exchange(sbuf, scounts, rbuf, rcounts).wait(timeout)
+            if sbuf.nbytes + rbuf.nbytes > PERSISTENT_MAX or not sbuf.ndim or not rbuf.ndim or not sbuf.size:
+                return self._exchange(sbuf, scounts, rbuf, rcounts).wait(timeout)
+            xkey = ("exchange", sbuf.shape, rbuf.shape, rbuf.dtype, tuple(scounts), tuple(rcounts))
+            x = self.p2p.ops.get(xkey) or self._new_exchange(xkey, sbuf, scounts, rbuf, rcounts)
+            return x.run(sbuf, rbuf, timeout)
         if rbuf.nbytes > PERSISTENT_MAX:
             t, k = MOVE_TYPE[rbuf.dtype], rcounts[0]
             req = self.all_to_all_comm.Ialltoall([sbuf, k, t], [rbuf, k, t])
