@@ -454,7 +454,20 @@ class PersistentCache:
         #: barrier, sends and receives among ``ops``: see ``Backend.residents`` (``ready``: another cache's
         #: tables, shared)
         self.ready: dict[str, dict[tuple, Resident]] = {k: {} for k in _READY} if ready is None else ready
+        self.seen: set[tuple] = set()  # see again()
         _caches.add(self)
+
+    def again(self, key: tuple) -> bool:
+        """Whether ``key`` was asked about before, remembering it: for operations each rank makes on its own
+        (sends, receives, uneven exchanges), only a second sighting earns a persistent one, so that a tag or
+        split sizes new at every call never churn the cache."""
+        seen = self.seen
+        if key in seen:
+            return True
+        if len(seen) >= 16 * self.limit:
+            seen.clear()
+        seen.add(key)
+        return False
 
     def add(self, key: tuple, op: _P) -> _P:
         """Keep ``op`` under ``key``, freeing the oldest operation when the cache is full."""
@@ -487,6 +500,7 @@ class PersistentCache:
         for op in self.ops.values():
             op.free()
         self.ops.clear()
+        self.seen.clear()
         self.sums.clear()
         for table in self.ready.values():  # shared tables: everything goes when the backend closes
             table.clear()

@@ -344,10 +344,12 @@ class MpiBackend(Backend):
         self, sbuf: np.ndarray, scounts: list[int], rbuf: np.ndarray, rcounts: list[int], timeout: float
     ) -> bool:
         if not _even(scounts, rcounts):
-            if sbuf.nbytes + rbuf.nbytes > PERSISTENT_MAX or not sbuf.ndim or not rbuf.ndim or not sbuf.size:
+            small = sbuf.nbytes + rbuf.nbytes <= PERSISTENT_MAX and sbuf.ndim and rbuf.ndim and sbuf.size
+            xkey = ("exchange", sbuf.shape, rbuf.shape, rbuf.dtype, tuple(scounts), tuple(rcounts)) if small else ()
+            x = self.p2p.ops.get(xkey) if xkey else None
+            if x is None and not (xkey and self.p2p.again(xkey)):
                 return self._exchange(sbuf, scounts, rbuf, rcounts).wait(timeout)
-            xkey = ("exchange", sbuf.shape, rbuf.shape, rbuf.dtype, tuple(scounts), tuple(rcounts))
-            x = self.p2p.ops.get(xkey) or self._new_exchange(xkey, sbuf, scounts, rbuf, rcounts)
+            x = x or self._new_exchange(xkey, sbuf, scounts, rbuf, rcounts)
             return x.run(sbuf, rbuf, timeout)
         if rbuf.nbytes > PERSISTENT_MAX:
             t, k = MOVE_TYPE[rbuf.dtype], rcounts[0]
@@ -400,14 +402,14 @@ class MpiBackend(Backend):
         return self._point_now(False, buf, peer, tag, timeout)
 
     def _point_now(self, sending: bool, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
-        """A blocking send (``sending``) or receive: small ones as a persistent request per (shape, dtype, peer,
-        tag), each rank its own (point to point: nothing to keep in step with other ranks)."""
+        """A blocking send (``sending``) or receive: small ones, from their second sighting, as a persistent
+        request per (shape, dtype, peer, tag), each rank its own (point to point: nothing to keep in step)."""
         comm = self.comm
-        if buf.nbytes > PERSISTENT_MAX:
+        key = ("send" if sending else "recv", buf.shape, buf.dtype, peer, tag) if buf.nbytes <= PERSISTENT_MAX else ()
+        p = self.p2p.ops.get(key) if key else None
+        if p is None and not (key and self.p2p.again(key)):
             req = (comm.Isend if sending else comm.Irecv)([buf, MOVE_TYPE[buf.dtype]], peer, tag)
             return settle(req, timeout, self.abandoned, buf.nbytes)
-        key = ("send" if sending else "recv", buf.shape, buf.dtype, peer, tag)
-        p = self.p2p.ops.get(key)
         if p is None:
             scratch, spec = self._scratch(buf.shape, buf.dtype)
             req = (comm.Send_init if sending else comm.Recv_init)(spec, peer, tag)
