@@ -120,21 +120,6 @@ def all_to_all(
     return g.issue(call, "all_to_all", args, async_op, send.dtype, send.size, finish)
 
 
-class _Unpack:
-    """gather's root list (arrays of one shape) as a ready operation's destination: ``out[...] = whole`` fills it."""
-
-    __slots__ = ("outs",)
-
-    def __init__(self, outs: list[np.ndarray]) -> None:
-        self.outs = outs
-
-    def __setitem__(self, key: Any, whole: np.ndarray) -> None:
-        outs = self.outs
-        rows = whole.reshape((len(outs), *outs[0].shape))
-        for i, a in enumerate(outs):  # indexing: iterating over a numpy array costs ~4x more
-            a[...] = rows[i]
-
-
 def _plain(g: ProcessGroup, root: int, items: Any, like: np.ndarray, writes: bool) -> bool:
     """Whether gather's or scatter's list is what the ready path takes (else the generic path checks and says
     why): None off the root; on it a list of ``g.size`` numpy arrays of ``like``'s dtype and shape, writable
@@ -186,8 +171,7 @@ def gather(
     root = 0 if dst is None else dst
     ready = ready_rooted("gather", tensor, root, group, group_dst, async_op, writes=False)
     if ready is not None and _plain(ready[0], root, gather_list, tensor, True):
-        out = None if gather_list is None else _Unpack(gather_list)
-        run_ready(ready[0], "gather", ready[1], tensor, out)
+        run_ready(ready[0], "gather", ready[1], tensor, gather_list)  # the root's list, filled in rank order
         return None
     g, inp, root, outs = _rooted("gather", group, tensor, dst, group_dst, "dst", gather_list, "gather_list")
     flat, finish = (packed(outs) if outs is not None else None), None
@@ -209,12 +193,7 @@ def scatter(
     root = 0 if src is None else src
     ready = ready_rooted("scatter", tensor, root, group, group_src, async_op)
     if ready is not None and _plain(ready[0], root, scatter_list, tensor, False):
-        g, p = ready
-        if scatter_list is not None:  # the root: its list straight into the operation's buffer
-            rows = p.send.reshape((g.size, *tensor.shape))
-            for i, a in enumerate(scatter_list):
-                rows[i] = a
-        run_ready(g, "scatter", p, None, tensor)
+        run_ready(ready[0], "scatter", ready[1], scatter_list, tensor)  # the root's list, packed in rank order
         return None
     g, out, root, ins = _rooted("scatter", group, tensor, src, group_src, "src", scatter_list, "scatter_list")
     send = None if ins is None else packed(ins)

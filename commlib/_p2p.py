@@ -59,7 +59,7 @@ def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_pe
         and type(g) is ProcessGroup
         and (p := ready_op(g, call, (tensor.shape, tensor.dtype, peer, tag))) is not None
     ):
-        run_ready(g, call, p, tensor if sending else None, None if sending else tensor, collective=False)
+        run_ready(g, call, p, tensor if sending else None, None if sending else tensor, False)  # not a collective
         return True
     return False
 

@@ -100,11 +100,14 @@ def test_detail_mode_checks_every_call_so_it_has_no_lookup() -> None:
     assert run(detail_job, 2, timeout=60, env={"COMMLIB_DEBUG": "DETAIL"}) == [True, True]
 
 
-def ready_job() -> dict:
+def ready_job(native: bool) -> dict:
     """broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (even and
-    uneven), gather, scatter, barrier, send and recv through Backend.residents: scenario -> problem."""
+    uneven), gather, scatter, barrier, send and recv through Backend.residents, each run by the C runner
+    (``native``) or in Python (COMMLIB_NATIVE=0): scenario -> problem."""
     import commlib as dist
     from commlib._world import _state
+    from commlib.arrays import bfloat16
+    from commlib.backends import _mpi
 
     me, n = dist.get_rank(), dist.get_world_size()
     g = _state.world
@@ -114,7 +117,8 @@ def ready_job() -> dict:
         if got != want:
             problems[name] = f"got {got!r}, want {want!r}"
 
-    for dtype in (np.float32, np.int16, np.float16):
+    # bfloat16: numpy exports no buffer of it, so the C runner copies it through numpy
+    for dtype in (np.float32, np.int16, np.float16, bfloat16):
         for root in range(n):  # a second round runs the ready operations the first made
             for step in range(2):
                 b = np.full((2, 3), me + 10 * step, dtype)
@@ -172,6 +176,18 @@ def ready_job() -> dict:
                 dist.scatter(got, sent if me == root else None, src=root)
                 want = (np.arange(4).reshape(2, 2) + 10 * me + step).tolist()
                 check(f"scatter {np.dtype(dtype)} src={root} #{step}", got.tolist(), want)
+    for step in range(2):  # root lists of strided views: no byte copies, numpy's (the C runner's fallback)
+        mine = np.arange(4, dtype=np.float32).reshape(2, 2) + 10 * me + step
+        wide = np.full((n, 2, 4), -1, np.float32)
+        dist.gather(mine, [wide[k, :, ::2] for k in range(n)] if me == 0 else None, dst=0)
+        if me == 0:
+            want = [(np.arange(4).reshape(2, 2) + 10 * k + step).tolist() for k in range(n)]
+            check(f"gather into strided views #{step}", [wide[k, :, ::2].tolist() for k in range(n)], want)
+            check(f"gather leaves the gaps #{step}", wide[:, :, 1::2].tolist(), np.full((n, 2, 2), -1.0).tolist())
+        wide = np.stack([np.full((2, 4), 10 * k + step, np.float32) for k in range(n)])
+        got = np.full((2, 2), -1, np.float32)
+        dist.scatter(got, [wide[k, :, ::2] for k in range(n)] if me == 0 else None, src=0)
+        check(f"scatter from strided views #{step}", got.tolist(), np.full((2, 2), 10.0 * me + step).tolist())
     for _ in range(2):
         dist.barrier()
     for step in range(3):  # point to point: ranks 0 and 1, a round trip; ready from the third (see above)
@@ -186,9 +202,13 @@ def ready_job() -> dict:
             check(f"recv #{step}", buf.tolist(), [float(step)] * 3)
             dist.send(buf + 1, dst=0, tag=6)
     ready = g.ready
-    want = {"broadcast": 3 * n, "reduce": 3 * n, "all_gather": 3, "reduce_scatter": 3, "all_to_all": 3}
-    want.update(gather=3 * n, scatter=3 * n, barrier=1, all_to_all_v=3, send=int(me < 2), recv=int(me < 2))
+    want = {"broadcast": 4 * n, "reduce": 4 * n, "all_gather": 4, "reduce_scatter": 4, "all_to_all": 4}
+    want.update(gather=4 * n, scatter=4 * n, barrier=1, all_to_all_v=4, send=int(me < 2), recv=int(me < 2))
     check("entries", {k: len(v) for k, v in ready.items()}, want)
+    ops = [op for t in ready.values() for op in t.values()]
+    runners = {type(op.go).__name__ for op in ops}
+    check("runner", runners, {"builtin_function_or_method"} if native else {"method"})
+    check("C runner set up", _mpi._Runner is not None, native)
     # the lookup stays a mirror of the cache: every entry is a live operation of it
     live = {*g.backend.persistent.ops.values(), *g.backend.p2p.ops.values()}
     check("mirror", all(op in live for t in ready.values() for op in t.values()), True)
@@ -232,7 +252,32 @@ def ready_job() -> dict:
     return problems
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_collectives_run_ready_operations(n: int) -> None:
-    for rank, problems in enumerate(run(ready_job, n, timeout=120)):
+def _c_runner_built() -> bool:
+    try:
+        import commlib.backends._ready  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "n, native", [(2, True), (3, True), (2, False)], ids=["2-ranks-C", "3-ranks-C", "2-ranks-python"]
+)
+def test_collectives_run_ready_operations(n: int, native: bool) -> None:
+    if native and not _c_runner_built():
+        pytest.skip("commlib.backends._ready was not built (no C compiler when commlib was installed)")
+    env = {"COMMLIB_NATIVE": "1" if native else "0"}
+    for rank, problems in enumerate(run(ready_job, n, native, timeout=120, env=env)):
         assert problems == {}, f"rank {rank}: {problems}"
+
+
+def test_the_c_runner_is_built_where_a_compiler_is() -> None:
+    """pip builds commlib.backends._ready where it finds a C compiler; a build that silently failed would
+    leave every small collective a few tenths of a microsecond slower."""
+    import shutil
+    import sysconfig
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}) here: commlib runs its ready operations in Python")
+    assert _c_runner_built(), "a C compiler is here but commlib.backends._ready is not built: pip install -e . again"

@@ -12,11 +12,12 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
+from commlib._environment import native
 from commlib._ops import ReduceOp
 from commlib.arrays import LOW_PRECISION, bfloat16
 from commlib.backends._waker import waker
@@ -146,6 +147,7 @@ class Req:
     """A handle over one MPI request."""
 
     __slots__ = ("keep", "req")
+    status: MPI.Status | None = None  # where a receive's test leaves who sent (Recv)
 
     def __init__(self, req: MPI.Request, keep: object = None) -> None:
         self.req = req
@@ -153,7 +155,7 @@ class Req:
 
     def test(self) -> bool:
         try:
-            return self.req.Test()
+            return self.req.Test(self.status)
         except MPI.Exception as e:
             raise mpi_error(e) from None
 
@@ -196,12 +198,10 @@ class Requests:
         """Each request in turn, in MPI's own wait where it is large (:func:`settle`); one deadline for all."""
         reqs, nbytes = self.reqs, self.nbytes
         if nbytes < 4 * BLOCK_FROM or not BLOCK_FROM:  # small messages: done within a few tests
-            try:
-                for _ in _FAST_POLLS:
-                    if MPI.Request.Testall(reqs):
-                        return True
-            except MPI.Exception as e:
-                raise mpi_error(e) from None
+            test = self.test
+            for _ in _FAST_POLLS:
+                if test():
+                    return True
         deadline = time.monotonic() + timeout
         for req in reqs:
             if req == MPI.REQUEST_NULL:  # completed by an earlier test (a null request would block a Waitany)
@@ -224,17 +224,12 @@ class Recv(Req):
         super().__init__(req, keep)
         self.status = status
 
-    def test(self) -> bool:
-        try:
-            return self.req.Test(self.status)
-        except MPI.Exception as e:
-            raise mpi_error(e) from None
-
     def wait(self, timeout: float) -> bool:
         return self.test() or poll(self.test, timeout)
 
     @property
     def source(self) -> int:
+        assert self.status is not None
         return self.status.Get_source()
 
 
@@ -303,16 +298,86 @@ class Pieces:
         return False  # host memory: the caller waits
 
 
-class Persistent:
-    """One persistent collective over scratch buffers: load the input, start, settle, store the output.
+class _Ready:
+    """What :class:`Persistent` and :class:`Exchange` share as a ``base.Resident``: one run is :attr:`go`,
+    then, if it returned False, :meth:`wait` and :meth:`finish`.
 
-    ``send`` is what :meth:`load` fills (None: the rank contributes nothing, e.g. a non-root of
-    broadcast), ``recv`` what :meth:`store` copies out of (None: no output here). ``divide``
-    (AVG) divides the result once before it is stored; float16/bfloat16 scratch is float32, so
-    the store is the one rounding.
+    ``go`` is :meth:`_go` in Python, or the same steps in C (``commlib.backends._ready``, set by
+    :meth:`PersistentCache.add` where that module was built and ``COMMLIB_NATIVE`` is not ``0``).
     """
 
-    __slots__ = ("buf", "cache", "count", "divide", "dtype", "key", "recv", "req", "send", "start", "test")
+    __slots__ = ()
+    send: np.ndarray | None
+    recv: np.ndarray | None
+    cache: PersistentCache | None
+    key: tuple
+    start: Callable[[], object]  # start one run
+    test: Callable[[], bool]  # whether the run is complete
+
+    def wait(self, timeout: float) -> bool:
+        raise NotImplementedError
+
+    def _go(self, inp: np.ndarray | list[np.ndarray] | None, out: object) -> bool:
+        """Copy ``inp`` into ``send``, start, test; True: complete, the result in ``out``; False: still running.
+
+        ``inp`` may be a list of arrays (scatter's root list: packed in rank order), and so may ``out``
+        (gather's root list: filled in rank order)."""
+        if inp is not None and (send := self.send) is not None:
+            if type(inp) is list:
+                _pack(inp, send)
+            else:
+                send[...] = inp
+        self.start()
+        test = self.test
+        for _ in _FAST_POLLS:  # settle()'s first phase: most small calls end here
+            if test():
+                self.finish(out)
+                return True
+        return False
+
+    def finish(self, out: object) -> None:
+        """Resident.finish: ``out[...] = recv`` (out or recv None: nothing to store; a list: in rank order)."""
+        if out is not None and self.recv is not None:
+            if type(out) is list:
+                _spread(out, self.recv)
+            else:
+                out[...] = self.recv  # type: ignore[index]
+
+    @staticmethod
+    def error(exc: BaseException) -> BaseException:
+        """Resident.error: MPI's exceptions as commlib's."""
+        return mpi_error(exc) if isinstance(exc, MPI.Exception) else exc
+
+    def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float) -> bool:
+        """Copy ``inp`` in, run the operation once (False: ``timeout`` passed), copy the result out to ``out``.
+
+        An operation that timed out leaves its cache: it may still be running, so it is never started again.
+        """
+        try:
+            if self.go(inp, out):  # type: ignore[attr-defined]
+                return True
+            if not self.wait(timeout):
+                return False
+        except MPI.Exception as e:
+            raise mpi_error(e) from None
+        self.finish(out)
+        return True
+
+    def _forget(self) -> None:
+        if self.cache is not None:
+            self.cache.forget(self.key)
+
+
+class Persistent(_Ready):
+    """One persistent collective, send or receive over scratch buffers: load the input, start, settle, store.
+
+    ``send`` is what a run reads (None: the rank contributes nothing, e.g. a non-root of
+    broadcast), ``recv`` what it writes (None: no output here). ``divide`` (AVG) divides the
+    result once before it is stored; float16/bfloat16 scratch is float32, so the store is the
+    one rounding.
+    """
+
+    __slots__ = ("buf", "cache", "count", "divide", "dtype", "go", "key", "recv", "req", "send", "start", "test")
 
     def __init__(
         self, req: MPI.Prequest, send: np.ndarray | None = None, recv: np.ndarray | None = None, divide: int = 0
@@ -320,71 +385,51 @@ class Persistent:
         self.req, self.send, self.recv, self.divide = req, send, recv, divide
         self.cache: PersistentCache | None = None  # set by PersistentCache.add
         self.key: tuple = ()
-        # an in-place SUM all_reduce is also a base.Resident (Backend.sums): the group layer runs it
-        self.buf = recv if recv is not None else send
+        self.buf = recv if recv is not None else send  # an in-place all_reduce's one buffer
         self.start, self.test = req.Start, req.Test
+        self.go: Callable[[np.ndarray | None, object], bool] = self._go
         self.dtype: np.dtype | None = None  # the callers' (set by PersistentCache.add; the scratch may be wider)
         self.count = 0
 
     def wait(self, timeout: float) -> bool:
-        """Resident.wait: the run started by the group layer, after its tests (False: timed out, never run again)."""
+        """Resident.wait: the run started by :attr:`go`, after its tests (False: timed out, never run again)."""
         if settle(self.req, timeout, _abandoned):
             return True
-        if self.cache is not None:
-            self.cache.forget(self.key)
+        self._forget()
         return False
 
-    @staticmethod
-    def error(exc: BaseException) -> BaseException:
-        """Resident.error: MPI's exceptions as commlib's."""
-        return mpi_error(exc) if isinstance(exc, MPI.Exception) else exc
+    def finish(self, out: object) -> None:
+        if out is not None and self.recv is not None and self.divide:
+            average(self.recv, self.divide)
+        super().finish(out)
 
     def free(self) -> None:
         """Free the MPI request (it must not be running)."""
         self.req.Free()
 
-    def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float) -> bool:
-        """Copy ``inp`` in, run the operation once (False: ``timeout`` passed), copy the result out to ``out``.
-
-        An operation that timed out leaves its cache: it may still be running, so it is never started again.
-        """
-        if inp is not None and self.send is not None:
-            self.send[...] = inp
-        req = self.req
-        test = req.Test
-        try:
-            req.Start()
-            for _ in _FAST_POLLS:  # settle()'s first phase, inlined: most small calls end here
-                if test():
-                    break
-            else:
-                if not settle(req, timeout, _abandoned):
-                    if self.cache is not None:
-                        self.cache.forget(self.key)
-                    return False
-        except MPI.Exception as e:
-            raise mpi_error(e) from None
-        if out is not None and self.recv is not None:
-            if self.divide:
-                average(self.recv, self.divide)
-            out[...] = self.recv
-        return True
+    def native(self) -> Callable[[np.ndarray | None, object], bool] | None:
+        """The C runner of this operation (None: the Python :meth:`_go` it is)."""
+        if _Runner is None or self.divide:
+            return None
+        raw = all(b is None or b.dtype == self.dtype for b in (self.send, self.recv))
+        return _Runner([self.req.handle], self.send, self.recv, None, None, raw).go
 
 
-class Exchange:
+class Exchange(_Ready):
     """A small uneven all-to-all over scratch buffers of its own (a base.Resident): persistent receives from
     and sends to every other rank, and this rank's own block copied between the two buffers.
 
     Point to point only, so each rank creates and evicts its own (no step to keep with other ranks).
     """
 
-    __slots__ = ("buf", "cache", "count", "dtype", "key", "own", "recv", "reqs", "send")
+    __slots__ = ("buf", "cache", "count", "dtype", "go", "key", "own", "recv", "reqs", "send")
 
     def __init__(self, reqs: list[MPI.Prequest], send: np.ndarray, recv: np.ndarray, own: tuple) -> None:
         self.reqs, self.send, self.recv, self.buf = reqs, send, recv, recv
         self.own = own  # (this rank's block in recv, its block in send): views of the scratch buffers
         self.cache: PersistentCache | None = None  # set by PersistentCache.add
         self.key: tuple = ()
+        self.go: Callable[[np.ndarray | None, object], bool] = self._go
         self.dtype: np.dtype | None = None
         self.count = 0
 
@@ -402,36 +447,62 @@ class Exchange:
             if poll(self.test, timeout):
                 return True
         except BaseException:
-            if self.cache is not None:
-                self.cache.forget(self.key)
+            self._forget()
             raise
-        if self.cache is not None:
-            self.cache.forget(self.key)
+        self._forget()
         return False
-
-    error = staticmethod(Persistent.error)
 
     def free(self) -> None:
         for req in self.reqs:
             req.Free()
 
-    def run(self, inp: np.ndarray | None, out: np.ndarray | None, timeout: float) -> bool:
-        """Copy ``inp`` in, exchange, copy the result out to ``out`` (False: ``timeout`` passed)."""
-        if inp is not None:
-            self.send[...] = inp
-        try:
-            self.start()
-            for _ in _FAST_POLLS:
-                if self.test():
-                    break
-            else:
-                if not self.wait(timeout):
-                    return False
-        except MPI.Exception as e:
-            raise mpi_error(e) from None
-        if out is not None:
-            out[...] = self.recv
-        return True
+    def native(self) -> Callable[[np.ndarray | None, object], bool] | None:
+        """The C runner of this exchange (None: the Python :meth:`_go` it is)."""
+        if _Runner is None:
+            return None
+        send, recv = self.send, self.recv
+        assert send is not None and recv is not None
+        return _Runner([r.handle for r in self.reqs], send, recv, *self.own, send.dtype == recv.dtype == self.dtype).go
+
+
+def _spread(outs: list[np.ndarray], whole: np.ndarray) -> None:
+    """``outs[i][...] = `` the i-th of ``len(outs)`` equal chunks of ``whole`` (gather's root list)."""
+    rows = whole.reshape((len(outs), *outs[0].shape))
+    for i, a in enumerate(outs):  # indexing: iterating over a numpy array costs ~4x more
+        a[...] = rows[i]
+
+
+def _pack(ins: list[np.ndarray], whole: np.ndarray) -> None:
+    """The i-th of ``len(ins)`` equal chunks of ``whole`` ``= ins[i]`` (scatter's root list)."""
+    rows = whole.reshape((len(ins), *ins[0].shape))
+    for i, a in enumerate(ins):
+        rows[i] = a
+
+
+def _runner() -> Callable[..., Any] | None:
+    """commlib.backends._ready.Runner, set up with the MPI library mpi4py loaded (None: not built, not
+    usable here, or ``COMMLIB_NATIVE=0``: the operations run in Python)."""
+    if not native():
+        return None
+    try:
+        import ctypes
+
+        from commlib.backends import _ready  # type: ignore[attr-defined]
+
+        lib = ctypes.CDLL(MPI.__file__)  # finds MPI's functions in the MPI library mpi4py links
+
+        def address(name: str) -> int | None:
+            return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+        names = ("MPI_Start", "MPI_Startall", "MPI_Test", "MPI_Testall")
+        sizes = (MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status))
+        _ready.setup(*(address(n) for n in names), *sizes, MPI.Exception, _spread, _pack)
+    except (ImportError, OSError, AttributeError, ValueError, TypeError):
+        return None
+    return _ready.Runner
+
+
+_Runner = _runner()
 
 
 _P = TypeVar("_P", Persistent, Exchange)
@@ -479,6 +550,7 @@ class PersistentCache:
         if lookup is not None:
             table, entry, op.dtype, op.count = lookup
             (self.sums if table == "sums" else self.ready[table])[entry] = op
+        op.go = op.native() or op.go
         return op
 
     def _drop(self, key: tuple) -> Persistent | Exchange:

@@ -100,30 +100,35 @@ class Resident(Protocol):
     """A ready operation over buffers of its own, run by the group layer inline (:meth:`Backend.sums`,
     :meth:`Backend.residents`).
 
-    A call: copy the input into :attr:`send` (unless None), :meth:`start`, call :meth:`test`
-    until it returns True (a few hundred times at most), else :meth:`wait`; then copy the result
-    out of :attr:`recv` (unless None). An exception raised by any of them goes through
-    :meth:`error` first. An in-place all_reduce has one buffer, :attr:`buf` (``send`` and ``recv``).
+    A call: :attr:`go` with the caller's input and output; if it returned False, :meth:`wait`, then
+    (if that returned True) :meth:`finish`. An exception raised by any of them goes through
+    :meth:`error` first.
     """
 
-    #: the operation's own buffers: its input before :meth:`start` (None: this rank sends nothing, e.g. a
-    #: broadcast's non-root), its output once complete (None: no output here, e.g. a broadcast's root)
-    send: Any
-    recv: Any
-    #: an in-place all_reduce's one buffer (its ``send`` and ``recv``)
-    buf: Any
     #: the dtype and element count of the caller's arrays (for the flight recorder)
     dtype: Any
     count: int
+    #: the operation's own buffers: its input (None: this rank sends nothing, e.g. a broadcast's non-root),
+    #: its output (None: no output here, e.g. a broadcast's root); a caller may fill ``send`` itself and
+    #: pass no input
+    send: Any
+    recv: Any
 
-    def start(self) -> None:
-        """Start one run of the operation (the previous one is complete)."""
-
-    def test(self) -> bool:
-        """True once the run is complete; never blocks."""
+    #: ``go(inp, out) -> bool``: copy ``inp`` into :attr:`send` (``inp`` None: already there), start one
+    #: run (the previous one is complete), test it a few hundred times; True: complete and ``out[...]``
+    #: holds the result (``out`` None: not wanted); False: still running. Never blocks. ``inp`` and
+    #: ``out`` may also be lists of arrays of one shape, the chunks of ``send`` / ``recv`` in rank order
+    #: (scatter's and gather's root lists). An attribute (the mpi backend's is a C function where it was
+    #: built), called as a method.
+    go: Callable[[Any, Any], bool]
 
     def wait(self, timeout: float) -> bool:
-        """Block until the run is complete (True) or ``timeout`` seconds pass (False: it is never started again)."""
+        """Block until the run :attr:`go` left running is complete (True) or ``timeout`` seconds pass (False:
+        it is never started again)."""
+
+    def finish(self, out: Any) -> None:
+        """After a :meth:`wait` that returned True: ``out[...] = `` the result (``out`` None: nothing; a list:
+        as :attr:`go` fills one)."""
 
     def error(self, exc: BaseException) -> BaseException:
         """The exception to raise for ``exc`` (raised by the backend's engine in a run)."""

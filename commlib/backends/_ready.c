@@ -1,0 +1,317 @@
+/* commlib.backends._ready: one run of a ready (persistent) MPI operation, in C.
+ *
+ * A small blocking collective spends most of its time in Python around the MPI call: two numpy
+ * copies (about 0.15 us each), the start, the test loop. Runner.go(inp, out) does all of it in one
+ * call: copy inp into the operation's send buffer, start its requests, test them up to `tests`
+ * times (holding the GIL: a few tens of microseconds at most), and once complete copy the receive
+ * buffer into out. inp may be a list of arrays (scatter's root list: packed in rank order), and so may
+ * out (gather's root list: filled in rank order). It returns True (complete, out
+ * written) or False (still running: the caller waits with its deadline, then copies out itself),
+ * and raises mpi4py.MPI.Exception(code) for an MPI error. Python's Persistent.go / Exchange.go
+ * (commlib/backends/_mpi.py) do the same where this module was not built.
+ *
+ * No MPI header and no link to MPI: MPI_Start/Startall/Test/Testall are the addresses in the MPI
+ * library mpi4py loaded (set once by setup()), and request handles are opaque values of the
+ * library's own size, so this file builds with a C compiler alone and follows mpi4py's MPI.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+typedef int (*start_fn)(void *request);
+typedef int (*startall_fn)(int count, void *requests);
+typedef int (*test_fn)(void *request, int *flag, void *status);
+typedef int (*testall_fn)(int count, void *requests, int *flag, void *statuses);
+
+static start_fn mpi_start;
+static startall_fn mpi_startall;
+static test_fn mpi_test;
+static testall_fn mpi_testall;
+static Py_ssize_t request_size, status_size;
+static PyObject *mpi_exception; /* mpi4py.MPI.Exception */
+static PyObject *spread, *pack;  /* Python fallbacks of copy_list: spread(list, whole), pack(list, whole) */
+
+typedef struct {
+    PyObject_HEAD
+    int count;            /* requests */
+    char *requests;       /* count handles of request_size bytes */
+    char *statuses;       /* count statuses of status_size bytes */
+    PyObject *send, *recv; /* the operation's buffers, or None */
+    PyObject *own_dst, *own_src; /* a block copied from own_src to own_dst after the start, or None */
+    int raw;              /* the callers' arrays have the buffers' dtype: plain byte copies */
+    int tests;
+} Runner;
+
+static int
+raise_mpi(int code)
+{
+    PyObject *exc = PyObject_CallFunction(mpi_exception, "i", code);
+    if (exc != NULL) {
+        PyErr_SetObject(mpi_exception, exc);
+        Py_DECREF(exc);
+    }
+    return -1;
+}
+
+/* dst[...] = src: a byte copy where both export contiguous buffers of one length, else numpy's own. */
+static int
+copy(PyObject *dst, PyObject *src, int raw)
+{
+    if (raw) {
+        Py_buffer d, s;
+        if (PyObject_GetBuffer(dst, &d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) {
+            if (PyObject_GetBuffer(src, &s, PyBUF_C_CONTIGUOUS) == 0) {
+                int same = s.len == d.len;
+                if (same)
+                    memcpy(d.buf, s.buf, (size_t)s.len);
+                PyBuffer_Release(&s);
+                PyBuffer_Release(&d);
+                if (same)
+                    return 0;
+            }
+            else {
+                PyBuffer_Release(&d);
+                PyErr_Clear();
+            }
+        }
+        else
+            PyErr_Clear(); /* e.g. bfloat16, which numpy does not export */
+    }
+    return PyObject_SetItem(dst, Py_Ellipsis, src);
+}
+
+/* The chunks of a list of arrays and one whole buffer, in rank order: gather's root list filled from the
+ * operation's receive buffer (out), or scatter's root list packed into its send buffer (!out). Byte copies
+ * where every array exports a buffer of a chunk's length, else the Python fallback set up for it. */
+static int
+copy_list(PyObject *list, PyObject *whole, int out, int raw)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    Py_buffer w;
+    int done = 0;
+    if (raw && n > 0 && PyObject_GetBuffer(whole, &w, (out ? 0 : PyBUF_WRITABLE) | PyBUF_C_CONTIGUOUS) == 0) {
+        Py_ssize_t chunk = w.len / n, i;
+        for (i = 0; chunk * n == w.len && i < n; i++) {
+            Py_buffer a;
+            PyObject *item = PyList_GET_ITEM(list, i);
+            if (PyObject_GetBuffer(item, &a, (out ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) {
+                PyErr_Clear();
+                break;
+            }
+            Py_ssize_t len = a.len;
+            if (len == chunk) {
+                if (out)
+                    memcpy(a.buf, (char *)w.buf + i * chunk, (size_t)chunk);
+                else
+                    memcpy((char *)w.buf + i * chunk, a.buf, (size_t)chunk);
+            }
+            PyBuffer_Release(&a);
+            if (len != chunk)
+                break;
+        }
+        done = chunk * n == w.len && i == n;
+        PyBuffer_Release(&w);
+    }
+    else if (raw && n > 0)
+        PyErr_Clear();
+    if (done)
+        return 0;
+    PyObject *r = PyObject_CallFunctionObjArgs(out ? spread : pack, list, whole, NULL);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static int
+test_all(Runner *self, int *flag)
+{
+    if (self->count == 1)
+        return mpi_test(self->requests, flag, self->statuses);
+    return mpi_testall(self->count, self->requests, flag, self->statuses);
+}
+
+static PyObject *
+Runner_go(Runner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "go(inp, out) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *inp = args[0], *out = args[1];
+    int code, flag = 0;
+    if (inp != Py_None && self->send != Py_None) {
+        if ((PyList_CheckExact(inp) ? copy_list(inp, self->send, 0, self->raw) : copy(self->send, inp, self->raw)) < 0)
+            return NULL;
+    }
+    if (self->count == 1)
+        code = mpi_start(self->requests);
+    else
+        code = self->count ? mpi_startall(self->count, self->requests) : 0;
+    if (code) {
+        raise_mpi(code);
+        return NULL;
+    }
+    if (self->own_dst != Py_None && copy(self->own_dst, self->own_src, 1) < 0)
+        return NULL;
+    if (self->count == 0)
+        flag = 1;
+    for (int i = 0; !flag && i < self->tests; i++) {
+        if ((code = test_all(self, &flag)) != 0) {
+            raise_mpi(code);
+            return NULL;
+        }
+    }
+    if (!flag)
+        Py_RETURN_FALSE;
+    if (out != Py_None && self->recv != Py_None) {
+        if ((PyList_CheckExact(out) ? copy_list(out, self->recv, 1, self->raw) : copy(out, self->recv, self->raw)) < 0)
+            return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+Runner_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"handles", "send", "recv", "own_dst", "own_src", "raw", "tests", NULL};
+    PyObject *handles, *send, *recv, *own_dst = Py_None, *own_src = Py_None;
+    int raw = 0, tests = 256;
+    if (mpi_start == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "commlib.backends._ready: setup() was not called");
+        return NULL;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OOpi", names, &handles, &send, &recv, &own_dst, &own_src,
+                                     &raw, &tests))
+        return NULL;
+    PyObject *seq = PySequence_Fast(handles, "handles must be a sequence of request handles");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Runner *self = (Runner *)type->tp_alloc(type, 0);
+    if (self == NULL || n > INT_MAX) {
+        Py_XDECREF(self);
+        Py_DECREF(seq);
+        return n > INT_MAX ? PyErr_NoMemory() : NULL;
+    }
+    self->count = (int)n;
+    self->requests = PyMem_Calloc((size_t)(n ? n : 1), (size_t)request_size);
+    self->statuses = PyMem_Calloc((size_t)(n ? n : 1), (size_t)status_size);
+    if (self->requests == NULL || self->statuses == NULL) {
+        Py_DECREF(seq);
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* mpi4py's handle: the C value as an int (MPICH's int handles come sign-extended) */
+        unsigned long long h = PyLong_AsUnsignedLongLongMask(PySequence_Fast_GET_ITEM(seq, i));
+        if (PyErr_Occurred()) {
+            Py_DECREF(seq);
+            Py_DECREF(self);
+            return NULL;
+        }
+        char *slot = self->requests + i * request_size;
+        if (request_size == sizeof(int)) {
+            unsigned int v = (unsigned int)h;
+            memcpy(slot, &v, sizeof v);
+        }
+        else
+            memcpy(slot, &h, (size_t)(request_size < 8 ? request_size : 8));
+    }
+    Py_DECREF(seq);
+    Py_INCREF(send);
+    Py_INCREF(recv);
+    Py_INCREF(own_dst);
+    Py_INCREF(own_src);
+    self->send = send;
+    self->recv = recv;
+    self->own_dst = own_dst;
+    self->own_src = own_src;
+    self->raw = raw;
+    self->tests = tests;
+    return (PyObject *)self;
+}
+
+static void
+Runner_dealloc(Runner *self)
+{
+    Py_XDECREF(self->send);
+    Py_XDECREF(self->recv);
+    Py_XDECREF(self->own_dst);
+    Py_XDECREF(self->own_src);
+    PyMem_Free(self->requests);
+    PyMem_Free(self->statuses);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Runner_methods[] = {
+    {"go", (PyCFunction)(void (*)(void))Runner_go, METH_FASTCALL,
+     "go(inp, out) -> bool: copy inp in, start, test; True: complete and copied into out; False: still running"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RunnerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "commlib.backends._ready.Runner",
+    .tp_basicsize = sizeof(Runner),
+    .tp_dealloc = (destructor)Runner_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Runner(handles, send, recv, own_dst=None, own_src=None, raw=False, tests=256): runs a ready operation",
+    .tp_methods = Runner_methods,
+    .tp_new = Runner_new,
+};
+
+static PyObject *
+setup(PyObject *module, PyObject *args)
+{
+    unsigned long long start, startall, test, testall;
+    PyObject *exception, *spread_fn, *pack_fn;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "KKKKnnOOO", &start, &startall, &test, &testall, &request_size, &status_size,
+                          &exception, &spread_fn, &pack_fn))
+        return NULL;
+    if (!start || !startall || !test || !testall || request_size < 1 || request_size > 8 || status_size < 1) {
+        PyErr_SetString(PyExc_ValueError, "setup: bad MPI function addresses or handle sizes");
+        return NULL;
+    }
+    mpi_start = (start_fn)(uintptr_t)start;
+    mpi_startall = (startall_fn)(uintptr_t)startall;
+    mpi_test = (test_fn)(uintptr_t)test;
+    mpi_testall = (testall_fn)(uintptr_t)testall;
+    Py_INCREF(exception);
+    Py_XSETREF(mpi_exception, exception);
+    Py_INCREF(spread_fn);
+    Py_XSETREF(spread, spread_fn);
+    Py_INCREF(pack_fn);
+    Py_XSETREF(pack, pack_fn);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"setup", setup, METH_VARARGS,
+     "setup(MPI_Start, MPI_Startall, MPI_Test, MPI_Testall, sizeof(MPI_Request), sizeof(MPI_Status), MPI.Exception, "
+     "spread, pack)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_ready",
+    .m_doc = "One run of a ready MPI operation in C (see Runner).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__ready(void)
+{
+    if (PyType_Ready(&RunnerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RunnerType);
+    if (PyModule_AddObject(m, "Runner", (PyObject *)&RunnerType) < 0) {
+        Py_DECREF(&RunnerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
