@@ -1,7 +1,8 @@
 """Blocking MPI waits with a deadline (commlib.backends._waker): a large wait blocks inside MPI and a helper
 thread wakes it when its time is up. It must return at completion, return False at the deadline with the
 request still pending (and still completable), survive a late wake-up, refuse a second blocked thread, and
-stay off when ranks outnumber cores (a rank spinning in MPI would starve the one sharing its core)."""
+stay off when ranks outnumber cores (a rank spinning in MPI would starve the one sharing its core), and stay on
+for ranks bound to a core each."""
 
 from __future__ import annotations
 
@@ -123,3 +124,24 @@ def oversubscribed_job() -> bool:
 def test_no_blocking_waits_when_ranks_outnumber_cores() -> None:
     n = CORES + 1
     assert run(oversubscribed_job, n, timeout=120) == [True] * n
+
+
+def pinned_job(where: str) -> bool:
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    rank = int(os.environ["PMI_RANK"])
+    # as mpiexec -bind-to core would (a core each), or every rank on one core; before MPI starts
+    os.sched_setaffinity(0, {cores[rank % len(cores)] if where == "a core each" else cores[0]})
+    import commlib as dist
+    from commlib.backends._waker import waker
+
+    dist.init_process_group("mpi")
+    return waker() is not None
+
+
+@pytest.mark.skipif(CORES < 2, reason="needs two cores to give each rank its own")
+@pytest.mark.parametrize("where, blocks", [("a core each", True), ("one core for all", False)])
+def test_ranks_bound_to_a_core_each_block_in_mpi_and_ranks_sharing_one_do_not(where: str, blocks: bool) -> None:
+    # bound ranks (mpiexec -bind-to core, srun --cpu-bind) see one core each: the node's ranks count theirs together
+    assert run(pinned_job, 2, where, timeout=120) == [blocks, blocks]

@@ -11,8 +11,10 @@ and the caller goes on to its usual polling loop (naps, the watchdog, the timeou
 
 Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default), and a core for every rank on this node: a
 blocked rank spins inside MPI without yielding, which would starve a rank sharing its core.
-Otherwise :func:`waker` returns None and waits poll as before (they yield and nap). One thread
-at a time blocks here; another one polls instead.
+:func:`count_cores` (called collectively when the world is made) counts the cores the node's ranks
+may run on, together: ranks bound one to a core (``mpiexec -bind-to core``, ``srun --cpu-bind``)
+qualify as much as unbound ones on enough cores. Otherwise :func:`waker` returns None and waits poll
+as before (they yield and nap). One thread at a time blocks here; another one polls instead.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from mpi4py import MPI
 
 from commlib._environment import detect
 
-__all__ = ["Waker", "waker"]
+__all__ = ["Waker", "count_cores", "waker"]
 
 _TICK = 0.01  # the helper thread looks at the deadline at least this often while a wait is armed
 _PARK_AFTER = 0.1  # seconds without a wait before the helper thread parks (no wake-ups at all)
@@ -102,6 +104,22 @@ class Waker:
 
 _waker: Waker | None = None
 _made = False
+_core_each: bool | None = None  # whether every rank on this node has a core of its own (count_cores)
+
+
+def count_cores(comm: MPI.Intracomm) -> None:
+    """Collective over ``comm`` (the world): whether the ranks on this node have a core each, counting the
+    cores any of them may run on (each rank's affinity, shared among the node's ranks once)."""
+    global _core_each
+    try:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    except MPI.Exception:
+        return  # then waker() judges by this process's affinity alone
+    try:
+        cores = set().union(*node.allgather(sorted(os.sched_getaffinity(0))))
+        _core_each = len(cores) >= node.Get_size()
+    finally:
+        node.Free()
 
 
 def waker() -> Waker | None:
@@ -110,7 +128,10 @@ def waker() -> Waker | None:
     if not _made:
         _made = True
         threads = MPI.Is_initialized() and not MPI.Is_finalized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        if threads and detect().local_world_size <= len(os.sched_getaffinity(0)):
+        core_each = _core_each
+        if core_each is None:
+            core_each = detect().local_world_size <= len(os.sched_getaffinity(0))
+        if threads and core_each:
             _waker = Waker()
     return _waker
 
