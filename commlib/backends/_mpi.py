@@ -154,10 +154,7 @@ class Req:
         self.keep = keep  # the buffers MPI reads or writes until completion (mpi4py does not hold them all)
 
     def test(self) -> bool:
-        try:
-            return self.req.Test(self.status)
-        except MPI.Exception as e:
-            raise mpi_error(e) from None
+        return _tested(self.req.Test, self.status)
 
     def wait(self, timeout: float) -> bool:
         return settle(self.req, timeout, _abandoned, _nbytes(self.keep))
@@ -167,6 +164,14 @@ class Req:
 
 
 _abandoned: list = []  # requests of handles whose wait gave up (kept referenced for good)
+
+
+def _tested(test: Callable[[Any], bool], arg: Any) -> bool:
+    """``test(arg)`` (an MPI test), MPI's exceptions as commlib's."""
+    try:
+        return test(arg)
+    except MPI.Exception as e:
+        raise mpi_error(e) from None
 
 
 def _nbytes(keep: object) -> int:
@@ -189,10 +194,7 @@ class Requests:
         self.nbytes = _nbytes(keep) if nbytes is None else nbytes  # their size
 
     def test(self) -> bool:
-        try:
-            return MPI.Request.Testall(self.reqs)
-        except MPI.Exception as e:
-            raise mpi_error(e) from None
+        return _tested(MPI.Request.Testall, self.reqs)
 
     def wait(self, timeout: float) -> bool:
         """Each request in turn, in MPI's own wait where it is large (:func:`settle`); one deadline for all."""
