@@ -145,3 +145,29 @@ def pinned_job(where: str) -> bool:
 def test_ranks_bound_to_a_core_each_block_in_mpi_and_ranks_sharing_one_do_not(where: str, blocks: bool) -> None:
     # bound ranks (mpiexec -bind-to core, srun --cpu-bind) see one core each: the node's ranks count theirs together
     assert run(pinned_job, 2, where, timeout=120) == [blocks, blocks]
+
+
+def late_count_job() -> list:
+    import time
+
+    from mpi4py import MPI
+
+    import commlib as dist
+    from commlib.backends._waker import _unfinished, count_cores
+
+    me = dist.get_rank()
+    comm = MPI.COMM_WORLD.Dup()
+    if me == 0:  # rank 1 comes late: the count gives up at its deadline, keeping its request and buffers
+        t = time.monotonic()
+        counted = count_cores(comm, 0.3)
+        took = time.monotonic() - t
+        kept = len(_unfinished)
+        dist.barrier()
+        return [counted, 0.25 < took < 2.0, kept]
+    time.sleep(1.0)
+    dist.barrier()
+    return [count_cores(comm, 5.0)]
+
+
+def test_counting_cores_ends_at_its_deadline_when_a_rank_is_late() -> None:
+    assert run(late_count_job, 2, timeout=120) == [[False, True, 1], [True]]

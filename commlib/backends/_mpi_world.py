@@ -6,7 +6,6 @@ from typing import Any, cast
 
 from mpi4py import MPI
 
-from commlib.backends._waker import count_cores
 from commlib.backends.mpi import MpiBackend
 
 __all__ = ["abort", "join_nodes", "join_singletons", "world"]
@@ -39,18 +38,12 @@ def join_nodes(local: MpiBackend, node: int, nnodes: int, rank: int, store: Any,
         joined = merged.bcast(joined + 1, root=0)
     if node == 0 and comm.Get_rank() == 0:
         MPI.Close_port(port)
-    return _world(cast(MPI.Intracomm, merged.Split(0, rank)))  # Split of an intracommunicator is one
+    return MpiBackend(cast(MPI.Intracomm, merged.Split(0, rank)))  # Split of an intracommunicator is one
 
 
 def world() -> MpiBackend:
     """The backend over ``MPI.COMM_WORLD`` (MPI is initialised by importing mpi4py)."""
-    return _world(MPI.COMM_WORLD)
-
-
-def _world(comm: MPI.Intracomm) -> MpiBackend:
-    """The backend of the job's world; every rank calls this (it counts the node's cores together)."""
-    count_cores(comm)
-    return MpiBackend(comm)
+    return MpiBackend(MPI.COMM_WORLD)
 
 
 def abort(backend: MpiBackend) -> None:

@@ -11,7 +11,7 @@ and the caller goes on to its usual polling loop (naps, the watchdog, the timeou
 
 Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default), and a core for every rank on this node: a
 blocked rank spins inside MPI without yielding, which would starve a rank sharing its core.
-:func:`count_cores` (called collectively when the world is made) counts the cores the node's ranks
+:func:`count_cores` (called collectively when the world is set up) counts the cores the node's ranks
 may run on, together: ranks bound one to a core (``mpiexec -bind-to core``, ``srun --cpu-bind``)
 qualify as much as unbound ones on enough cores. Otherwise :func:`waker` returns None and waits poll
 as before (they yield and nap). One thread at a time blocks here; another one polls instead.
@@ -20,6 +20,7 @@ as before (they yield and nap). One thread at a time blocks here; another one po
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import threading
 import time
@@ -105,21 +106,32 @@ class Waker:
 _waker: Waker | None = None
 _made = False
 _core_each: bool | None = None  # whether every rank on this node has a core of its own (count_cores)
+_RECORD = 8 + 128  # count_cores' record per rank: its host's hash, a bit per CPU (1024)
+_unfinished: list = []  # a count_cores that timed out: its request and buffers, kept for good
 
 
-def count_cores(comm: MPI.Intracomm) -> None:
+def count_cores(comm: MPI.Intracomm, timeout: float) -> bool:
     """Collective over ``comm`` (the world): whether the ranks on this node have a core each, counting the
-    cores any of them may run on (each rank's affinity, shared among the node's ranks once)."""
+    cores any of them may run on (each rank's affinity, shared among the ranks of its host). False: not
+    every rank took part within ``timeout`` seconds (nothing is decided then)."""
     global _core_each
-    try:
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    except MPI.Exception:
-        return  # then waker() judges by this process's affinity alone
-    try:
-        cores = set().union(*node.allgather(sorted(os.sched_getaffinity(0))))
-        _core_each = len(cores) >= node.Get_size()
-    finally:
-        node.Free()
+    mask = np.zeros(_RECORD, np.uint8)
+    for cpu in os.sched_getaffinity(0):
+        mask[8 + (cpu % (8 * (_RECORD - 8))) // 8] |= 1 << (cpu % 8)  # a CPU past the mask shares a bit: fewer
+    host = hashlib.blake2b(MPI.Get_processor_name().encode(), digest_size=8).digest()
+    mask[:8] = np.frombuffer(host, np.uint8)
+    every = np.empty((comm.Get_size(), _RECORD), np.uint8)
+    req = comm.Iallgather(mask, every)
+    deadline = time.monotonic() + timeout
+    while not req.Test():
+        if time.monotonic() > deadline:
+            _unfinished.append((req, mask, every))  # MPI may still write into them
+            return False
+        time.sleep(0.0005)
+    here = every[(every[:, :8] == mask[:8]).all(axis=1)]
+    cores = int(np.unpackbits(np.bitwise_or.reduce(here[:, 8:], axis=0)).sum())
+    _core_each = cores >= len(here)
+    return True
 
 
 def waker() -> Waker | None:

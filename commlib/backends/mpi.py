@@ -38,6 +38,7 @@ from commlib.backends._mpi import (
     pieces,
     settle,
 )
+from commlib.backends._waker import count_cores
 from commlib.backends.base import DONE, RESERVED_TAGS, Backend, Chained, Handle, Resident
 from commlib.errors import CommTimeoutError
 
@@ -92,6 +93,13 @@ class MpiBackend(Backend):
         }
         if self.native:
             self.now |= {"all_to_all": self._all_to_all_now, "gather": self._gather_now, "scatter": self._scatter_now}
+
+    def prepare(self, timeout: float) -> None:
+        """The world's setup, collective over it: count the node's cores for the waker
+        (:func:`commlib.backends._waker.count_cores`), then :meth:`separate_kinds`."""
+        if self.size > 1 and not count_cores(self.comm, timeout):
+            raise CommTimeoutError(f"not every rank set up the communicator within {timeout:g} s")
+        self.separate_kinds(timeout)
 
     def separate_kinds(self, timeout: float) -> None:
         """Give each kind of collective its own duplicate of the communicator (same ranks).
