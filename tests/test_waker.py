@@ -1,11 +1,13 @@
-"""Blocking MPI waits with a deadline (commlib.backends._waker): a large wait blocks inside MPI and a helper
-thread wakes it when its time is up. It must return at completion, return False at the deadline with the
-request still pending (and still completable), survive a late wake-up, refuse a second blocked thread, and
-stay off when ranks outnumber cores (a rank spinning in MPI would starve the one sharing its core), and stay on
-for ranks bound to a core each."""
+"""Blocking MPI waits with a deadline (commlib.backends._waker.blocker): a large wait spins in MPI_Test in C
+without the GIL (commlib.backends._native.spin) or, without the C module, blocks inside MPI while a helper
+thread wakes it when its time is up (Waker). Either must return at completion, return False at the deadline
+with the request still pending (and still completable), survive late completions, refuse a second blocked
+thread, and stay off when ranks outnumber cores (a rank spinning in MPI would starve the one sharing its
+core), and stay on for ranks bound to a core each."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -15,7 +17,7 @@ from commlib.testing import run
 CORES = len(os.sched_getaffinity(0))
 
 
-def waker_job() -> list[str]:
+def waker_job(kind: str) -> list[str]:
     import threading
     import time
 
@@ -23,11 +25,15 @@ def waker_job() -> list[str]:
     from mpi4py import MPI
 
     import commlib as dist
-    from commlib.backends._waker import waker
+    from commlib.backends._native import spin
+    from commlib.backends._waker import Waker, blocker
 
     me = dist.get_rank()
-    w = waker()
-    assert w is not None
+    w = Waker() if kind == "Python waker" else None
+    block = spin if w is None else w.wait
+    chosen = blocker()  # what settle() uses: the C spin where built, else the process's own Waker
+    assert block is not None and chosen is not None
+    assert (chosen is spin) == (kind == "C spin"), (kind, chosen)
     comm = MPI.COMM_WORLD.Dup()
     seen = []
     buf = np.zeros(1 << 18, np.float32)  # 1 MiB
@@ -35,13 +41,13 @@ def waker_job() -> list[str]:
         # completes: rank 1 sends after 0.3 s
         req = comm.Irecv(buf, 1, 1)
         t = time.monotonic()
-        assert w.wait(req, 5.0) is True and 0.25 < time.monotonic() - t < 3.0
-        assert buf[0] == 1.0 and w.due == 0.0
+        assert block(req, 5.0) is True and 0.25 < time.monotonic() - t < 3.0
+        assert buf[0] == 1.0 and (w is None or w.due == 0.0)
         seen.append("completed")
         # the deadline: rank 1 sends only when told; the request stays pending and completes later
         req = comm.Irecv(buf, 1, 2)
         t = time.monotonic()
-        assert w.wait(req, 0.2) is False
+        assert block(req, 0.2) is False
         assert 0.19 < time.monotonic() - t < 1.0 and not req.Test()
         comm.send(b"go", 1, 3)
         req.Wait()
@@ -50,8 +56,8 @@ def waker_job() -> list[str]:
         # a second thread cannot block while one does; it is told to poll (None)
         req = comm.Irecv(buf, 1, 4)
         other: list = []
-        th = threading.Thread(target=lambda: other.append(w.wait(MPI.REQUEST_NULL, 1.0)))
-        blocked = threading.Thread(target=lambda: other.append(w.wait(req, 5.0)))
+        th = threading.Thread(target=lambda: other.append(block(MPI.REQUEST_NULL, 1.0)))
+        blocked = threading.Thread(target=lambda: other.append(block(req, 5.0)))
         blocked.start()
         time.sleep(0.1)
         th.start()
@@ -63,7 +69,7 @@ def waker_job() -> list[str]:
         # many short waits that complete near their deadline: late wake-ups are absorbed
         for i in range(20):
             req = comm.Irecv(buf, 1, 6)
-            done = w.wait(req, 0.01)
+            done = block(req, 0.01)
             if not done:
                 req.Wait()
             assert buf[0] == 10.0 + i
@@ -79,12 +85,19 @@ def waker_job() -> list[str]:
             time.sleep(0.01 * (i % 3) / 2)
             comm.Send(np.full_like(buf, 10.0 + i), 0, 6)
     comm.Free()
+    if w is not None:
+        w.close()
     return seen
 
 
 @pytest.mark.skipif(CORES < 2, reason="the waker needs a core per rank")
-def test_a_blocking_wait_ends_at_completion_or_at_its_deadline() -> None:
-    assert run(waker_job, 2, timeout=120) == [["completed", "deadline", "one-thread", "late-wakeups"], []]
+@pytest.mark.parametrize("kind", ["C spin", "Python waker"])
+def test_a_blocking_wait_ends_at_completion_or_at_its_deadline(kind: str) -> None:
+    if kind == "C spin" and importlib.util.find_spec("commlib.backends._ready") is None:
+        pytest.skip("commlib.backends._ready is not built here (test_sums checks it is wherever a compiler is)")
+    env = {"COMMLIB_NATIVE": "1" if kind == "C spin" else "0"}
+    seen = run(waker_job, 2, kind, timeout=120, env=env)
+    assert seen == [["completed", "deadline", "one-thread", "late-wakeups"], []]
 
 
 def timeout_job() -> str:
@@ -93,7 +106,7 @@ def timeout_job() -> str:
     import numpy as np
 
     import commlib as dist
-    from commlib.backends._waker import waker
+    from commlib.backends._waker import blocker
 
     me = dist.get_rank()
     sub = dist.new_group([0, 1], timeout=1.0)
@@ -104,7 +117,7 @@ def timeout_job() -> str:
             dist.all_reduce(x, group=sub)
         took = time.monotonic() - t
         assert 0.9 < took < 3.0, took
-        assert waker() is not None and waker().due == 0.0  # type: ignore[union-attr]
+        assert blocker() is not None
     dist.barrier()
     return "ok"
 
@@ -116,9 +129,9 @@ def test_a_large_collective_whose_peer_never_comes_times_out_on_time() -> None:
 
 def oversubscribed_job() -> bool:
     import commlib as dist  # noqa: F401  (initialises MPI)
-    from commlib.backends._waker import waker
+    from commlib.backends._waker import blocker
 
-    return waker() is None
+    return blocker() is None
 
 
 def test_no_blocking_waits_when_ranks_outnumber_cores() -> None:
@@ -134,10 +147,10 @@ def pinned_job(where: str) -> bool:
     # as mpiexec -bind-to core would (a core each), or every rank on one core; before MPI starts
     os.sched_setaffinity(0, {cores[rank % len(cores)] if where == "a core each" else cores[0]})
     import commlib as dist
-    from commlib.backends._waker import waker
+    from commlib.backends._waker import blocker
 
     dist.init_process_group("mpi")
-    return waker() is not None
+    return blocker() is not None
 
 
 @pytest.mark.skipif(CORES < 2, reason="needs two cores to give each rank its own")

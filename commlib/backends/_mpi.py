@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from commlib._environment import native
 from commlib._ops import ReduceOp
 from commlib.arrays import LOW_PRECISION, bfloat16
-from commlib.backends._waker import waker
+from commlib.backends._native import Runner as _Runner
+from commlib.backends._native import _pack, _spread
+from commlib.backends._waker import blocker
 from commlib.backends.base import SLOW_BYTES_PER_S, Resident, poll
 from commlib.errors import TransportError
 
@@ -121,9 +122,9 @@ def settle(req: MPI.Request, timeout: float, abandoned: list, nbytes: int = 0) -
     test = req.Test
     busy = nbytes / SLOW_BYTES_PER_S
     try:
-        if nbytes >= BLOCK_FROM > 0 and (w := waker()) is not None:
+        if nbytes >= BLOCK_FROM > 0 and (block := blocker()) is not None:
             start = time.monotonic()
-            done = w.wait(req, min(timeout, busy, _BLOCK_MAX))
+            done = block(req, min(timeout, busy, _BLOCK_MAX))
             if done:
                 return True
             if done is not None:
@@ -465,46 +466,6 @@ class Exchange(_Ready):
         send, recv = self.send, self.recv
         assert send is not None and recv is not None
         return _Runner([r.handle for r in self.reqs], send, recv, *self.own, send.dtype == recv.dtype == self.dtype).go
-
-
-def _spread(outs: list[np.ndarray], whole: np.ndarray) -> None:
-    """``outs[i][...] = `` the i-th of ``len(outs)`` equal chunks of ``whole`` (gather's root list)."""
-    rows = whole.reshape((len(outs), *outs[0].shape))
-    for i, a in enumerate(outs):  # indexing: iterating over a numpy array costs ~4x more
-        a[...] = rows[i]
-
-
-def _pack(ins: list[np.ndarray], whole: np.ndarray) -> None:
-    """The i-th of ``len(ins)`` equal chunks of ``whole`` ``= ins[i]`` (scatter's root list)."""
-    rows = whole.reshape((len(ins), *ins[0].shape))
-    for i, a in enumerate(ins):
-        rows[i] = a
-
-
-def _runner() -> Callable[..., Any] | None:
-    """commlib.backends._ready.Runner, set up with the MPI library mpi4py loaded (None: not built, not
-    usable here, or ``COMMLIB_NATIVE=0``: the operations run in Python)."""
-    if not native():
-        return None
-    try:
-        import ctypes
-
-        from commlib.backends import _ready  # type: ignore[attr-defined]
-
-        lib = ctypes.CDLL(MPI.__file__)  # finds MPI's functions in the MPI library mpi4py links
-
-        def address(name: str) -> int | None:
-            return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-
-        names = ("MPI_Start", "MPI_Startall", "MPI_Test", "MPI_Testall")
-        sizes = (MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status))
-        _ready.setup(*(address(n) for n in names), *sizes, MPI.Exception, _spread, _pack)
-    except (ImportError, OSError, AttributeError, ValueError, TypeError):
-        return None
-    return _ready.Runner
-
-
-_Runner = _runner()
 
 
 _P = TypeVar("_P", Persistent, Exchange)

@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
+#include <time.h>
 
 typedef int (*start_fn)(void *request);
 typedef int (*startall_fn)(int count, void *requests);
@@ -30,6 +31,9 @@ static testall_fn mpi_testall;
 static Py_ssize_t request_size, status_size;
 static PyObject *mpi_exception; /* mpi4py.MPI.Exception */
 static PyObject *spread, *pack;  /* Python fallbacks of copy_list: spread(list, whole), pack(list, whole) */
+static PyTypeObject *request_type; /* mpi4py.MPI.Request */
+static Py_ssize_t handle_offset;   /* where a Request object keeps its MPI_Request handle */
+static int spinning;               /* a thread is in spin() (read and set holding the GIL) */
 
 typedef struct {
     PyObject_HEAD
@@ -262,12 +266,15 @@ static PyObject *
 setup(PyObject *module, PyObject *args)
 {
     unsigned long long start, startall, test, testall;
-    PyObject *exception, *spread_fn, *pack_fn;
+    PyObject *exception, *spread_fn, *pack_fn, *req_type;
+    Py_ssize_t offset;
     (void)module;
-    if (!PyArg_ParseTuple(args, "KKKKnnOOO", &start, &startall, &test, &testall, &request_size, &status_size,
-                          &exception, &spread_fn, &pack_fn))
+    if (!PyArg_ParseTuple(args, "KKKKnnOOOO!n", &start, &startall, &test, &testall, &request_size, &status_size,
+                          &exception, &spread_fn, &pack_fn, &PyType_Type, &req_type, &offset))
         return NULL;
-    if (!start || !startall || !test || !testall || request_size < 1 || request_size > 8 || status_size < 1) {
+    if (!start || !startall || !test || !testall || request_size < 1 || request_size > 8 || status_size < 1 ||
+        status_size > 256 || offset < (Py_ssize_t)sizeof(PyObject) ||
+        offset + request_size > ((PyTypeObject *)req_type)->tp_basicsize) {
         PyErr_SetString(PyExc_ValueError, "setup: bad MPI function addresses or handle sizes");
         return NULL;
     }
@@ -281,13 +288,62 @@ setup(PyObject *module, PyObject *args)
     Py_XSETREF(spread, spread_fn);
     Py_INCREF(pack_fn);
     Py_XSETREF(pack, pack_fn);
+    Py_INCREF(req_type);
+    Py_XSETREF(request_type, (PyTypeObject *)req_type);
+    handle_offset = offset;
     Py_RETURN_NONE;
+}
+
+static double
+monotonic(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* spin(request, seconds): test an mpi4py Request in a loop, without the GIL, until it completes (True) or
+ * seconds pass (False); None when another thread is spinning here (the caller polls instead). A loop of
+ * MPI_Test in C progresses a transfer as MPI_Wait does, and unlike MPI_Wait it ends at a deadline. */
+static PyObject *
+spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2 || request_type == NULL || !PyObject_TypeCheck(args[0], request_type)) {
+        PyErr_SetString(PyExc_TypeError, "spin(request, seconds) takes an mpi4py Request and a float (after setup)");
+        return NULL;
+    }
+    double seconds = PyFloat_AsDouble(args[1]);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (spinning)
+        Py_RETURN_NONE;
+    spinning = 1;
+    void *handle = (char *)args[0] + handle_offset;
+    char status[256];
+    int flag = 0, code = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double due = monotonic() + seconds;
+    for (unsigned i = 1; !(code = mpi_test(handle, &flag, status)) && !flag; i++) {
+        if ((i & 15) == 0 && monotonic() >= due)
+            break;
+    }
+    Py_END_ALLOW_THREADS
+    spinning = 0;
+    if (code) {
+        raise_mpi(code);
+        return NULL;
+    }
+    return PyBool_FromLong(flag);
 }
 
 static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS,
      "setup(MPI_Start, MPI_Startall, MPI_Test, MPI_Testall, sizeof(MPI_Request), sizeof(MPI_Status), MPI.Exception, "
-     "spread, pack)"},
+     "spread, pack, MPI.Request, offset of a Request's handle)"},
+    {"spin", (PyCFunction)(void (*)(void))spin, METH_FASTCALL,
+     "spin(request, seconds) -> bool | None: MPI_Test in a loop without the GIL until done (True) or seconds pass "
+     "(False); None: another thread spins"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,17 +3,24 @@
 MPI has no timed wait, so commlib tests requests in a loop. That costs throughput on large
 transfers: MPICH moves a message only while it is progressed, and a Python loop of ``Test``
 calls progresses it more slowly than MPI's own ``Wait`` (1 MiB uneven all-to-all, 2 ranks,
-shared memory: 1.12-1.18x of the blocking call against 1.00-1.05x). :class:`Waker` gives a
-wait MPI's own loop and still a deadline: the caller blocks in ``MPI_Waitany`` on its request
-*and* on a receive from itself, and a helper thread sends that message when the deadline
-passes. The request keeps its normal completion; the wake-up only ends the blocking phase,
+shared memory: 1.12-1.18x of the blocking call against 1.00-1.05x). :func:`blocker` gives a
+large wait MPI's own pace and still a deadline, one of two ways:
+
+- the C module's ``spin`` (:mod:`commlib.backends._native`): ``MPI_Test`` in a loop in C, without
+  the GIL, until the request completes or the seconds pass (as fast as ``MPI_Wait``: 1 MiB
+  all_reduce on 2 ranks, ``Iallreduce`` + spin 1.01-1.04x of ``Allreduce``, + ``Wait`` 1.02x);
+- without it, :class:`Waker`: the caller blocks in ``MPI_Waitany`` on its request *and* on a
+  receive from itself, and a helper thread sends that message when the deadline passes (about
+  1.5 us more per wait than the spin, and a thread).
+
+Either way the request keeps its normal completion; the deadline only ends the blocking phase,
 and the caller goes on to its usual polling loop (naps, the watchdog, the timeout error).
 
 Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default), and a core for every rank on this node: a
 blocked rank spins inside MPI without yielding, which would starve a rank sharing its core.
 :func:`count_cores` (called collectively when the world is set up) counts the cores the node's ranks
 may run on, together: ranks bound one to a core (``mpiexec -bind-to core``, ``srun --cpu-bind``)
-qualify as much as unbound ones on enough cores. Otherwise :func:`waker` returns None and waits poll
+qualify as much as unbound ones on enough cores. Otherwise :func:`blocker` returns None and waits poll
 as before (they yield and nap). One thread at a time blocks here; another one polls instead.
 """
 
@@ -24,13 +31,16 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from commlib._environment import detect
+from commlib.backends._native import spin
 
-__all__ = ["Waker", "count_cores", "waker"]
+__all__ = ["Waker", "blocker", "count_cores", "waker"]
 
 _TICK = 0.01  # the helper thread looks at the deadline at least this often while a wait is armed
 _PARK_AFTER = 0.1  # seconds without a wait before the helper thread parks (no wake-ups at all)
@@ -134,18 +144,40 @@ def count_cores(comm: MPI.Intracomm, timeout: float) -> bool:
     return True
 
 
+def _may_block() -> bool:
+    """Whether a thread may block (spin) in MPI: MPI_THREAD_MULTIPLE and a core for every rank of the node."""
+    threads = MPI.Is_initialized() and not MPI.Is_finalized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    core_each = _core_each
+    if core_each is None:
+        core_each = detect().local_world_size <= len(os.sched_getaffinity(0))
+    return bool(threads and core_each)
+
+
 def waker() -> Waker | None:
     """The process's :class:`Waker`, made on first use; None when MPI cannot host one."""
     global _waker, _made
     if not _made:
         _made = True
-        threads = MPI.Is_initialized() and not MPI.Is_finalized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        core_each = _core_each
-        if core_each is None:
-            core_each = detect().local_world_size <= len(os.sched_getaffinity(0))
-        if threads and core_each:
+        if _may_block():
             _waker = Waker()
     return _waker
+
+
+_blocker: Any = False  # not chosen yet
+
+
+def blocker() -> Callable[[MPI.Request, float], bool | None] | None:
+    """How this process blocks in MPI on one request until it completes (True) or some seconds pass (False;
+    None: another thread is blocked, poll instead): the C module's ``spin`` (MPI_Test in a loop without the
+    GIL) where it was built, else :meth:`Waker.wait`; None when ranks may not block (:func:`_may_block`)."""
+    global _blocker
+    if _blocker is False:
+        if spin is not None:
+            _blocker = spin if _may_block() else None
+        else:
+            w = waker()
+            _blocker = None if w is None else w.wait
+    return _blocker
 
 
 @atexit.register  # registered after mpi4py's own exit handler, so it runs first: before MPI_Finalize
