@@ -8,6 +8,7 @@ import numpy as np
 
 from commlib._diagnostics import flight as _flight
 from commlib._diagnostics.debug import check as check_call
+from commlib._environment import native
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
 from commlib._world import _state as _world
@@ -312,6 +313,20 @@ def all_gather(
 _PACKED_FROM = 64 << 10  # bytes
 
 
+def _native_span() -> Any:
+    """The C module's ``span`` (None: not built, or ``COMMLIB_NATIVE=0``)."""
+    if not native():
+        return None
+    try:
+        from commlib.backends._ready import span  # a C module, no MPI
+    except ImportError:
+        return None
+    return span
+
+
+_span = _native_span()
+
+
 def packed(parts: list[Any]) -> Any | None:
     """One flat view over ``parts`` when they lie back to back, in order, in one numpy buffer; else None.
 
@@ -321,6 +336,28 @@ def packed(parts: list[Any]) -> Any | None:
     first = parts[0] if parts else None
     if type(first) is not np.ndarray or first.nbytes * len(parts) < _PACKED_FROM:
         return None  # small lists: staging costs less than finding out
+    got = _span(parts) if _span is not None and type(parts) is list else None
+    if got is False:
+        return None
+    if got is None:  # no C module, or it cannot tell (e.g. bfloat16, which exports no buffer)
+        got = _span_python(parts)
+        if got is None:
+            return None
+    root, base, size, start, at = got
+    count = (at - start) // first.itemsize
+    if 0 <= base <= start and at <= base + size:  # a view of the root: ~0.4 us, as_strided ~2 us
+        flat = np.ndarray((count,), first.dtype, buffer=root, offset=start - base)
+        if not first.flags.writeable:
+            flat.flags.writeable = False
+        return flat
+    flat = first.reshape(-1)
+    return np.lib.stride_tricks.as_strided(flat, (count,), (first.itemsize,), writeable=flat.flags.writeable)
+
+
+def _span_python(parts: list[Any]) -> tuple[np.ndarray, int, int, int, int] | None:
+    """What the C module's ``span`` tells, in Python: (root array, its address or -1, its bytes, start, end)
+    of back-to-back parts of one dtype in one root's memory, else None."""
+    first = parts[0]
     owner, at = _owner(first), address(first)
     start = at
     for a in parts:
@@ -329,18 +366,10 @@ def packed(parts: list[Any]) -> Any | None:
         if _owner(a) is not owner:
             return None
         at += a.nbytes
-    count = (at - start) // first.itemsize
     root = first
     while isinstance(root.base, np.ndarray):
         root = root.base
-    base = address(root) if root.flags.c_contiguous else -1
-    if 0 <= base <= start and at <= base + root.nbytes:  # a view of the root: ~0.4 us, as_strided ~2 us
-        flat = np.ndarray((count,), first.dtype, buffer=root, offset=start - base)
-        if not first.flags.writeable:
-            flat.flags.writeable = False
-        return flat
-    flat = first.reshape(-1)
-    return np.lib.stride_tricks.as_strided(flat, (count,), (first.itemsize,), writeable=flat.flags.writeable)
+    return root, (address(root) if root.flags.c_contiguous else -1), root.nbytes, start, at
 
 
 def _owner(a: np.ndarray) -> Any:

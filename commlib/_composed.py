@@ -153,7 +153,10 @@ def _rooted(
         raise ValueError(f"{g.label}{call}: {items_arg} must be given on the {role} rank")
     if g.rank != root and items:
         raise ValueError(f"{g.label}{call}: {items_arg} must not be given on ranks other than the {role}")
-    parts = check_list(g, call, items_arg, items, a, writable=writes, count=a.size) if g.rank == root else None
+    parts = None
+    if g.rank == root:  # a list of numpy arrays like the tensor needs no more checks (~1.5 us less per call)
+        plain = type(a) is np.ndarray and _plain(g, root, items, a, writes)
+        parts = items if plain else check_list(g, call, items_arg, items, a, writable=writes, count=a.size)
     if g.detail:
         check_call(g, call, a, root=root)
     return g, a, root, parts

@@ -123,12 +123,11 @@ def settle(req: MPI.Request, timeout: float, abandoned: list, nbytes: int = 0) -
     busy = nbytes / SLOW_BYTES_PER_S
     try:
         if nbytes >= BLOCK_FROM > 0 and (block := blocker()) is not None:
-            start = time.monotonic()
-            done = block(req, min(timeout, busy, _BLOCK_MAX))
+            spent = min(timeout, busy, _BLOCK_MAX)
+            done = block(req, spent)
             if done:
                 return True
-            if done is not None:
-                spent = time.monotonic() - start
+            if done is not None:  # it blocked for ``spent`` seconds (a little more): no clock read when done
                 timeout, busy = max(timeout - spent, 0.0), max(busy - spent, 0.0)
         for _ in _FAST_POLLS:
             if test():
@@ -179,9 +178,12 @@ def _nbytes(keep: object) -> int:
     """Bytes of the buffers a request keeps (an array, or a tuple of arrays and Nones)."""
     if isinstance(keep, np.ndarray):
         return keep.nbytes
+    n = 0
     if isinstance(keep, tuple):
-        return sum(a.nbytes for a in keep if isinstance(a, np.ndarray))
-    return 0
+        for a in keep:  # a loop, not sum() over a generator: 0.2 us less on every large wait
+            if isinstance(a, np.ndarray):
+                n += a.nbytes
+    return n
 
 
 class Requests:

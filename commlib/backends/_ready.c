@@ -337,10 +337,107 @@ spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(flag);
 }
 
+/* The end of obj's chain of `base` attributes of obj's own type (numpy: the array whose memory obj views);
+ * a new reference. */
+static PyObject *
+chain_root(PyObject *obj)
+{
+    PyTypeObject *type = Py_TYPE(obj);
+    Py_INCREF(obj);
+    for (;;) {
+        PyObject *base = PyObject_GetAttrString(obj, "base");
+        if (base == NULL) {
+            PyErr_Clear();
+            return obj;
+        }
+        if (Py_TYPE(base) != type) {
+            Py_DECREF(base);
+            return obj;
+        }
+        Py_DECREF(obj);
+        obj = base;
+    }
+}
+
+/* span(parts): whether a list of arrays lies back to back, in order, in the memory of one root array (the
+ * end of each one's chain of bases), with one element format. (root, root's address or -1 where the root is
+ * not contiguous, root's length in bytes, start, end) where it does; False where it does not; None where it
+ * cannot tell (an item exports no C-contiguous buffer: not contiguous, or bfloat16, which numpy does not
+ * export). About 0.3 us for two arrays, against 3 us in Python (commlib._collectives.packed). */
+static PyObject *
+span(PyObject *module, PyObject *parts)
+{
+    (void)module;
+    if (!PyList_CheckExact(parts) || PyList_GET_SIZE(parts) == 0)
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(parts);
+    PyObject *first = PyList_GET_ITEM(parts, 0), *root = NULL;
+    char *start = NULL, *at = NULL, format[32] = "";
+    Py_ssize_t itemsize = 0;
+    int verdict = 1; /* 1 back to back, 0 not, -1 cannot tell */
+    for (Py_ssize_t i = 0; i < n && verdict == 1; i++) {
+        PyObject *item = PyList_GET_ITEM(parts, i);
+        Py_buffer v;
+        if (Py_TYPE(item) != Py_TYPE(first)) {
+            verdict = 0;
+            break;
+        }
+        if (PyObject_GetBuffer(item, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            verdict = -1;
+            break;
+        }
+        const char *f = v.format ? v.format : "B";
+        int same = i == 0 || (v.itemsize == itemsize && strcmp(f, format) == 0 && (char *)v.buf == at);
+        if (i == 0) {
+            if (strlen(f) >= sizeof format)
+                verdict = -1;
+            else
+                strcpy(format, f);
+            itemsize = v.itemsize;
+            start = at = v.buf;
+        }
+        at += v.len;
+        PyBuffer_Release(&v);
+        if (!same || verdict != 1) {
+            verdict = same ? verdict : 0;
+            break;
+        }
+        PyObject *r = chain_root(item);
+        if (i == 0)
+            root = r;
+        else {
+            same = r == root;
+            Py_DECREF(r);
+            if (!same)
+                verdict = 0;
+        }
+    }
+    if (verdict != 1) {
+        Py_XDECREF(root);
+        if (verdict == 0)
+            Py_RETURN_FALSE;
+        Py_RETURN_NONE;
+    }
+    long long base = -1, size = 0;
+    Py_buffer w;
+    if (PyObject_GetBuffer(root, &w, PyBUF_C_CONTIGUOUS) == 0) {
+        base = (long long)(uintptr_t)w.buf;
+        size = (long long)w.len;
+        PyBuffer_Release(&w);
+    }
+    else
+        PyErr_Clear();
+    return Py_BuildValue("(NLLLL)", root, base, size, (long long)(uintptr_t)start, (long long)(uintptr_t)at);
+}
+
 static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS,
      "setup(MPI_Start, MPI_Startall, MPI_Test, MPI_Testall, sizeof(MPI_Request), sizeof(MPI_Status), MPI.Exception, "
      "spread, pack, MPI.Request, offset of a Request's handle)"},
+    {"span", span, METH_O,
+     "span(parts) -> (root, root address or -1, root bytes, start, end) | False | None: whether the arrays lie back "
+     "to back in one root array"},
     {"spin", (PyCFunction)(void (*)(void))spin, METH_FASTCALL,
      "spin(request, seconds) -> bool | None: MPI_Test in a loop without the GIL until done (True) or seconds pass "
      "(False); None: another thread spins"},
