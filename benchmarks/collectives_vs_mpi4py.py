@@ -19,7 +19,8 @@ Pairs (commlib call / raw mpi4py call, float32 buffers, in place where commlib i
 
 Sizes are the whole buffer of nccl-tests (all_gather: the output; reduce_scatter, all_to_all,
 scatter: the input). Uneven all-to-all: each rank sends a third of its rows to one rank and
-two thirds to the other. Every size runs both methods in alternating rounds of about 5 ms of
+two thirds to the other. barrier moves no data: it runs once, in the row of the smallest size
+(its bytes column says "-"). Every size runs both methods in alternating rounds of about 5 ms of
 calls; a cell is the median over rounds of the slower rank's time per call. A benchmark, not a
 test: it prints the table and the ratios and never fails on a number.
 """
@@ -192,13 +193,14 @@ def main() -> None:
         print("# commlib vs raw mpi4py, 2 ranks, float32, median per-call time of the slower rank (us)")
         print(f"{'collective':>20} {'bytes':>10} {'mpi4py':>10} {'commlib':>10} {'ratio':>8}")
     for name in args.collectives:
-        for nbytes in args.sizes:
+        for nbytes in sorted(args.sizes)[:1] if name == "barrier" else args.sizes:  # a barrier has no size
             row = _measure(name, nbytes, args.repeats, comm, MPI, dist, np)
             rows.append(row)
             if comm.Get_rank() == 0:
                 ratio = row["commlib_us"] / row["mpi4py_us"]
+                size = "-" if name == "barrier" else nbytes
                 print(
-                    f"{name:>20} {nbytes:>10} {row['mpi4py_us']:>10.2f} {row['commlib_us']:>10.2f} {ratio:>7.3f}x",
+                    f"{name:>20} {size:>10} {row['mpi4py_us']:>10.2f} {row['commlib_us']:>10.2f} {ratio:>7.3f}x",
                     flush=True,
                 )
     if comm.Get_rank() == 0:

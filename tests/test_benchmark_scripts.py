@@ -34,5 +34,6 @@ def test_collectives_vs_mpi4py_has_a_row_per_collective() -> None:
     out = _run("benchmarks/collectives_vs_mpi4py.py", "--sizes", "8", "65536", "--repeats", "1")
     rows = [line.split() for line in out.splitlines() if line and not line.startswith("#")]
     names = {r[0] for r in rows[1:]}
-    assert {"all_reduce", "broadcast", "all_to_all_uneven", "gather", "scatter", "send_recv"} <= names, out
+    assert {"all_reduce", "broadcast", "all_to_all_uneven", "gather", "scatter", "barrier", "send_recv"} <= names, out
+    assert [r[1] for r in rows[1:] if r[0] == "barrier"] == ["-"], out  # once: a barrier has no size
     assert all(r[-1].endswith("x") for r in rows[1:]), out
