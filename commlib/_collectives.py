@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
@@ -318,10 +319,9 @@ def _native_span() -> Any:
     if not native():
         return None
     try:
-        from commlib.backends._ready import span  # a C module, no MPI
+        return importlib.import_module("commlib.backends._ready").span  # a C module, no MPI; built or not
     except ImportError:
         return None
-    return span
 
 
 _span = _native_span()

@@ -38,8 +38,9 @@ def _module() -> Any:
         return None
     try:
         import ctypes
+        import importlib
 
-        from commlib.backends import _ready  # type: ignore[attr-defined]
+        _ready = importlib.import_module("commlib.backends._ready")  # built or not: no static import
 
         lib = ctypes.CDLL(MPI.__file__)  # finds MPI's functions in the MPI library mpi4py links
 
