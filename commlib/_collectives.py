@@ -158,11 +158,11 @@ def run_ready(g: ProcessGroup, call: str, p: Any, inp: Any, out: Any, collective
                 _ends[slot] = _now()
             return
     except BaseException as e:
-        _ready_rest(g, call, p, out, seq, slot, e)
-    _ready_rest(g, call, p, out, seq, slot, None)
+        ready_rest(g, call, p, out, seq, slot, e)
+    ready_rest(g, call, p, out, seq, slot, None)
 
 
-def _ready_rest(g: ProcessGroup, call: str, p: Any, out: Any, seq: int, slot: int, exc: BaseException | None) -> None:
+def ready_rest(g: ProcessGroup, call: str, p: Any, out: Any, seq: int, slot: int, exc: BaseException | None) -> None:
     """run_ready after a ``go()`` that did not complete (``exc`` None: wait, finish) or raised ``exc``."""
     done = True
     try:
@@ -179,12 +179,6 @@ def _ready_rest(g: ProcessGroup, call: str, p: Any, out: Any, seq: int, slot: in
         _ends[slot] = _now()
 
 
-def ready_op(g: ProcessGroup, call: str, key: tuple) -> Any:
-    """The ready operation of ``call`` for ``key`` when ``g`` may run it now (else None: the generic path)."""
-    ready = g.ready
-    return None if ready is None or g.pending else ready[call].get(key)
-
-
 def ready_rooted(
     table: str, tensor: Any, root: Any, group: Any, group_root: Any, async_op: bool, writes: bool = True
 ) -> tuple[ProcessGroup, Any] | None:
@@ -198,7 +192,9 @@ def ready_rooted(
         and group_root is None
         and (tensor.flags.carray if writes else tensor.flags.c_contiguous)
         and type(g) is ProcessGroup
-        and (p := ready_op(g, table, (tensor.shape, tensor.dtype, root))) is not None
+        and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
+        and not g.pending
+        and (p := ready[table].get((tensor.shape, tensor.dtype, root))) is not None
     ):
         return g, p
     return None
@@ -218,9 +214,11 @@ def ready_paired(
         and input.flags.c_contiguous
         and output.flags.carray
         and type(g) is ProcessGroup
+        and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
+        and not g.pending
     ):
         key = (input.shape, input.dtype, output.shape, output.dtype)
-        if (p := ready_op(g, table, key if splits is None else (*key, splits))) is not None:
+        if (p := ready[table].get(key if splits is None else (*key, splits))) is not None:
             return g, p
     return None
 

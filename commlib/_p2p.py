@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import ready_op, run_ready
+from commlib._collectives import ready_rest
 from commlib._group import ProcessGroup, Work
 from commlib._world import _state as _world
 from commlib._world import label, resolve
@@ -57,9 +57,17 @@ def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_pe
         and group_peer is None
         and (tensor.flags.c_contiguous if sending else tensor.flags.carray)
         and type(g) is ProcessGroup
-        and (p := ready_op(g, call, (tensor.shape, tensor.dtype, peer, tag))) is not None
+        and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
+        and not g.pending
+        and (p := ready[call].get((tensor.shape, tensor.dtype, peer, tag))) is not None
     ):
-        run_ready(g, call, p, tensor if sending else None, None if sending else tensor, False)  # not a collective
+        inp, out = (tensor, None) if sending else (None, tensor)
+        try:  # run_ready() for a send or receive (neither numbered nor recorded), inlined
+            if p.go(inp, out):
+                return True
+        except BaseException as e:
+            ready_rest(g, call, p, out, 0, -1, e)
+        ready_rest(g, call, p, out, 0, -1, None)
         return True
     return False
 

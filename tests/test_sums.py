@@ -246,6 +246,25 @@ def ready_job(native: bool) -> dict:
             check("uneven output untouched", got.tolist(), [7.0] * 3)
             check("uneven fenced", sub2.ready, None)
             check("uneven forgotten", op in sub2.backend.p2p.ops.values(), False)
+    # and for a receive on the ready path (ready from its third call): rank 1 sends one message fewer
+    sub3 = dist.new_group([0, 1], timeout=1.0)
+    if me < 2:
+        buf = np.zeros(3, np.float32)
+        for step in range(3):
+            if me == 0:
+                dist.recv(buf, src=1, tag=7, group=sub3)
+            else:
+                dist.send(np.full(3, step, np.float32), dst=0, tag=7, group=sub3)
+        if me == 0:
+            check("recv ready", len(sub3.ready["recv"]), 1)
+            buf[:] = 7
+            try:
+                dist.recv(buf, src=1, tag=7, group=sub3)
+                problems["recv timeout"] = "no error"
+            except dist.CommTimeoutError as e:
+                check("recv timeout names the call", "recv" in str(e), True)
+            check("recv output untouched", buf.tolist(), [7.0] * 3)
+            check("recv fenced", sub3.ready, None)
     dist.barrier()
     dist.destroy_process_group()
     check("destroyed", g.ready, None)
