@@ -12,7 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import check_list, packed, pair, ready_paired, ready_rooted, root_rank, run_ready, unpack
+from commlib._collectives import (
+    check_list,
+    packed,
+    pair,
+    ready_paired,
+    ready_rooted,
+    root_rank,
+    rooted_c,
+    run_ready,
+    unpack,
+)
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._world import resolve
@@ -172,7 +182,10 @@ def gather(
 ) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
     root = 0 if dst is None else dst
-    ready = ready_rooted("gather", tensor, root, group, group_dst, async_op, writes=False)
+    ran = rooted_c("gather", tensor, root, group, group_dst, async_op, 1, gather_list) if rooted_c else None
+    if ran:
+        return None
+    ready = ready_rooted("gather", tensor, root, group, group_dst, async_op, writes=False) if ran is None else None
     if ready is not None and _plain(ready[0], root, gather_list, tensor, True):
         run_ready(ready[0], "gather", ready[1], tensor, gather_list)  # the root's list, filled in rank order
         return None
@@ -194,7 +207,10 @@ def scatter(
 ) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
     root = 0 if src is None else src
-    ready = ready_rooted("scatter", tensor, root, group, group_src, async_op)
+    ran = rooted_c("scatter", tensor, root, group, group_src, async_op, 2, scatter_list) if rooted_c else None
+    if ran:
+        return None
+    ready = ready_rooted("scatter", tensor, root, group, group_src, async_op) if ran is None else None
     if ready is not None and _plain(ready[0], root, scatter_list, tensor, False):
         run_ready(ready[0], "scatter", ready[1], scatter_list, tensor)  # the root's list, packed in rank order
         return None

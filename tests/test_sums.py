@@ -300,3 +300,91 @@ def test_the_c_runner_is_built_where_a_compiler_is() -> None:
     if shutil.which(compiler) is None:
         pytest.skip(f"no C compiler ({compiler}) here: commlib runs its ready operations in Python")
     assert _c_runner_built(), "a C compiler is here but commlib.backends._ready is not built: pip install -e . again"
+
+
+def rooted_job() -> dict:
+    """The C front door of the rooted calls (commlib._collectives.rooted_c): which calls it takes (and runs,
+    numbered and recorded) and which it leaves to the generic path, as ready_rooted and _plain decide."""
+    import commlib as dist
+    from commlib import _collectives
+    from commlib._diagnostics import flight
+    from commlib._world import _state
+
+    dist.init_process_group("mpi")
+    g, me, n = _state.world, dist.get_rank(), dist.get_world_size()
+    rooted = _collectives.rooted_c
+    problems: dict = {}
+
+    def check(what: str, got: object, want: object) -> None:
+        if got != want:
+            problems[what] = f"got {got!r}, want {want!r}"
+
+    if rooted is None:
+        return {"setup": "the C front door is not set up"}
+    x, part = np.zeros(3, np.float32), np.zeros(3, np.float32)
+    lists = [np.zeros(3, np.float32) for _ in range(n)]
+    for _ in range(2):  # the generic path makes the ready operations
+        dist.broadcast(x, 0)
+        dist.reduce(x, 0)
+        dist.gather(part, lists if me == 0 else None, 0)
+        dist.scatter(part, lists if me == 0 else None, 0)
+    # taken: it runs the call, numbers it and records it
+    x[:] = me + 1
+    seq = g.seq
+    check("broadcast taken", rooted("broadcast", x, 0, None, None, False, 0, None), True)
+    check("broadcast result", x.tolist(), [1.0] * 3)
+    check("numbered", g.seq, seq + 1)
+    last = max((e for e in flight.ring.starts if e is not None and e[0] is g), key=lambda e: e[4])
+    check("recorded", (last[1], last[4]), ("broadcast", seq + 1))
+    x[:] = me + 1
+    check("reduce taken", rooted("reduce", x, 0, None, None, False, 0, None), True)
+    check("reduce result", x.tolist(), [float(sum(range(1, n + 1))) if me == 0 else float(me + 1)] * 3)
+    part[:] = me
+    out = [np.full(3, -1, np.float32) for _ in range(n)]
+    check("gather taken", rooted("gather", part, 0, None, None, False, 1, out if me == 0 else None), True)
+    if me == 0:
+        check("gather result", [a.tolist() for a in out], [[float(k)] * 3 for k in range(n)])
+    src = [np.full(3, 10 + k, np.float32) for k in range(n)]
+    check("scatter taken", rooted("scatter", part, 0, None, None, False, 2, src if me == 0 else None), True)
+    check("scatter result", part.tolist(), [10.0 + me] * 3)
+    # left to the generic path (nothing runs): on every rank alike
+    strided = np.zeros(6, np.float32)[::2]
+    frozen = np.zeros(3, np.float32)
+    frozen.flags.writeable = False
+    for name, args in {
+        "async_op": ("broadcast", x, 0, None, None, True, 0, None),
+        "group_src": ("broadcast", x, None, None, 0, False, 0, None),
+        "a numpy integer root": ("broadcast", x, np.int64(0), None, None, False, 0, None),
+        "a strided tensor": ("broadcast", strided, 0, None, None, False, 0, None),
+        "a read-only tensor it writes": ("broadcast", frozen, 0, None, None, False, 0, None),
+        "a shape not ready": ("broadcast", np.zeros(4, np.float32), 0, None, None, False, 0, None),
+        "another dtype": ("broadcast", np.zeros(3, np.int32), 0, None, None, False, 0, None),
+        "a subclass": ("broadcast", np.zeros(3, np.float32).view(np.matrix), 0, None, None, False, 0, None),
+    }.items():
+        check(name, rooted(*args), False)
+    # gather's and scatter's lists the ready path does not take (on the root; the other ranks would run)
+    if me == 0:
+        read_only = [np.zeros(3, np.float32) for _ in range(n)]
+        read_only[-1].flags.writeable = False
+        for name, items in {
+            "a tuple": tuple(np.zeros(3, np.float32) for _ in range(n)),
+            "one tensor short": [np.zeros(3, np.float32) for _ in range(n - 1)],
+            "an item of another dtype": [np.zeros(3, np.float32) for _ in range(n - 1)] + [np.zeros(3, np.int32)],
+            "an item of another shape": [np.zeros(3, np.float32) for _ in range(n - 1)]
+            + [np.zeros((3, 1), np.float32)],
+            "a read-only item to write": read_only,
+            "no list": None,
+        }.items():
+            check(f"gather: {name}", rooted("gather", part, 0, None, None, False, 1, items), False)
+        check("scatter: a root not ready", rooted("scatter", part, 1, None, None, False, 2, None), False)
+    else:  # off the root a list is a mistake the generic path explains
+        check("gather: a list off the root", rooted("gather", part, 0, None, None, False, 1, lists), False)
+    dist.barrier()
+    dist.destroy_process_group()
+    return problems
+
+
+@pytest.mark.skipif(not _c_runner_built(), reason="commlib.backends._ready was not built (no C compiler)")
+def test_the_c_front_door_takes_exactly_the_calls_the_ready_path_takes() -> None:
+    for rank, problems in enumerate(run(rooted_job, 2, timeout=120)):
+        assert problems == {}, f"rank {rank}: {problems}"

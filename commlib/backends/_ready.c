@@ -431,10 +431,265 @@ span(PyObject *module, PyObject *parts)
     return Py_BuildValue("(NLLLL)", root, base, size, (long long)(uintptr_t)start, (long long)(uintptr_t)at);
 }
 
+/* ---- The group layer's ready path for rooted calls, in C -------------------------------------------------
+ *
+ * rooted(call, tensor, root, group, group_root, async_op, mode, items) runs a blocking broadcast,
+ * reduce (mode 0: in place), gather (mode 1: items is the root's output list) or scatter (mode 2: items is
+ * the root's input list) through the group's ready operation, as commlib._collectives.ready_rooted,
+ * commlib._composed._plain and commlib._collectives.run_ready do in Python: True when it ran the call;
+ * False when the generic path must (another group, an async call, a new shape, a list that is not plain);
+ * the group's ready table of the call has the call's name. Set up by setup_rooted() with the group layer's
+ * objects and where numpy keeps an array's flags and dtype (checked there); COMMLIB_NATIVE=0 or no build:
+ * the Python functions. */
+static PyObject *fr_state, *fr_starts, *fr_ends, *fr_slots, *fr_rest;
+static PyTypeObject *fr_group_type, *fr_array_type;
+static PyObject *fr_one; /* 1 */
+static PyObject *s_world, *s_ready, *s_pending, *s_rank, *s_size, *s_seq, *s_shape, *s_dtype, *s_count, *s_go;
+
+static PyObject *
+now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return PyLong_FromLongLong((long long)t.tv_sec * 1000000000LL + (long long)t.tv_nsec);
+}
+
+/* numpy's array struct, read where setup_rooted() found (and checked) its flags and descr fields: an array's
+ * dtype is its descr object, its flags numpy's NPY_ARRAY_* bits. */
+static Py_ssize_t off_flags, off_descr;
+#define ARRAY_FLAGS(a) (*(int *)((char *)(a) + off_flags))
+#define ARRAY_DESCR(a) (*(PyObject **)((char *)(a) + off_descr))
+#define C_CONTIGUOUS 0x0001
+#define ALIGNED 0x0100
+#define WRITEABLE 0x0400
+#define CARRAY (C_CONTIGUOUS | ALIGNED | WRITEABLE)
+
+/* _plain: None off the root; on it a list of size arrays of like's type, dtype (the same object) and shape,
+ * writable where asked. 1 yes, 0 no, -2 error. */
+static int
+plain_list(PyObject *items, int is_root, Py_ssize_t size, PyObject *like, int writable)
+{
+    if (!is_root)
+        return items == Py_None;
+    if (!PyList_CheckExact(items) || PyList_GET_SIZE(items) != size)
+        return 0;
+    PyObject *shape = PyObject_GetAttr(like, s_shape);
+    int verdict = shape == NULL ? -2 : 1;
+    for (Py_ssize_t i = 0; verdict == 1 && i < size; i++) {
+        PyObject *a = PyList_GET_ITEM(items, i);
+        if (Py_TYPE(a) != fr_array_type || ARRAY_DESCR(a) != ARRAY_DESCR(like) ||
+            (writable && !(ARRAY_FLAGS(a) & WRITEABLE))) {
+            verdict = 0;
+            break;
+        }
+        PyObject *sh = PyObject_GetAttr(a, s_shape);
+        int same = sh == NULL ? -1 : PyObject_RichCompareBool(sh, shape, Py_EQ);
+        Py_XDECREF(sh);
+        verdict = same < 0 ? -2 : same;
+    }
+    Py_XDECREF(shape);
+    return verdict;
+}
+
+/* run_ready: number the call, record its start, p.go(inp, out), record its end; rest() where go did not
+ * complete or raised (it waits, or fences the group and raises). A new reference to None, or NULL. */
+static PyObject *
+run_recorded(PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *out)
+{
+    PyObject *old = PyObject_GetAttr(g, s_seq);
+    if (old == NULL)
+        return NULL;
+    PyObject *seq = PyNumber_Add(old, fr_one);
+    Py_DECREF(old);
+    if (seq == NULL)
+        return NULL;
+    PyObject *slot = NULL, *dtype = NULL, *count = NULL, *t = NULL, *entry = NULL, *go = NULL, *result = NULL;
+    if (PyObject_SetAttr(g, s_seq, seq) < 0 || (slot = PyIter_Next(fr_slots)) == NULL)
+        goto fail;
+    if ((dtype = PyObject_GetAttr(p, s_dtype)) == NULL || (count = PyObject_GetAttr(p, s_count)) == NULL)
+        goto fail;
+    if ((t = now_ns()) == NULL || (entry = PyTuple_Pack(6, g, call, dtype, count, seq, t)) == NULL)
+        goto fail;
+    if (PyObject_SetItem(fr_starts, slot, entry) < 0 || (go = PyObject_GetAttr(p, s_go)) == NULL)
+        goto fail;
+    PyObject *pair[2] = {inp, out};
+    result = PyObject_Vectorcall(go, pair, 2, NULL);
+    PyObject *exc = NULL;
+    if (result == Py_True) {
+        Py_CLEAR(t);
+        if ((t = now_ns()) == NULL || PyObject_SetItem(fr_ends, slot, t) < 0)
+            goto fail;
+        Py_INCREF(Py_None);
+        Py_SETREF(result, Py_None);
+    }
+    else {
+        if (result == NULL) { /* go raised: rest() raises it as the group's failure */
+            PyObject *type, *tb;
+            PyErr_Fetch(&type, &exc, &tb);
+            PyErr_NormalizeException(&type, &exc, &tb);
+            if (exc != NULL && tb != NULL)
+                PyException_SetTraceback(exc, tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+        }
+        Py_XDECREF(result);
+        result = PyObject_CallFunctionObjArgs(fr_rest, g, call, p, out, seq, slot, exc ? exc : Py_None, NULL);
+        Py_XDECREF(exc);
+    }
+    Py_DECREF(seq);
+    Py_XDECREF(slot);
+    Py_XDECREF(dtype);
+    Py_XDECREF(count);
+    Py_XDECREF(t);
+    Py_XDECREF(entry);
+    Py_XDECREF(go);
+    return result;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(slot);
+    Py_XDECREF(dtype);
+    Py_XDECREF(count);
+    Py_XDECREF(t);
+    Py_XDECREF(entry);
+    Py_XDECREF(go);
+    Py_XDECREF(result);
+    return NULL;
+}
+
+static PyObject *
+rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 8 || fr_rest == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "rooted(call, tensor, root, group, group_root, async_op, mode, items), after setup_rooted()");
+        return NULL;
+    }
+    PyObject *call = args[0], *tensor = args[1], *root = args[2], *group = args[3], *items = args[7];
+    long mode = PyLong_AsLong(args[6]);
+    if (mode == -1 && PyErr_Occurred())
+        return NULL;
+    int async_op = PyObject_IsTrue(args[5]);
+    if (async_op < 0)
+        return NULL;
+    if (async_op || Py_TYPE(tensor) != fr_array_type || !PyLong_CheckExact(root) || args[4] != Py_None)
+        Py_RETURN_FALSE;
+    int want = mode == 1 ? C_CONTIGUOUS : CARRAY; /* gather only reads its tensor */
+    if ((ARRAY_FLAGS(tensor) & want) != want)
+        Py_RETURN_FALSE;
+    PyObject *g = group == Py_None ? PyObject_GetAttr(fr_state, s_world) : (Py_INCREF(group), group);
+    PyObject *ready = NULL, *pending = NULL, *ops = NULL, *shape = NULL, *dtype = NULL, *key = NULL, *r = NULL;
+    int verdict = 0; /* 1 ran, 0 generic path, -1 cannot tell, -2 error */
+    if (g == NULL)
+        return NULL;
+    if (Py_TYPE(g) != fr_group_type)
+        goto done;
+    verdict = -2;
+    if ((ready = PyObject_GetAttr(g, s_ready)) == NULL || (pending = PyObject_GetAttr(g, s_pending)) == NULL)
+        goto done;
+    int busy = PyObject_IsTrue(pending);
+    if (busy < 0)
+        goto done;
+    verdict = 0;
+    if (ready == Py_None || busy)
+        goto done;
+    verdict = -2;
+    dtype = ARRAY_DESCR(tensor);
+    Py_INCREF(dtype);
+    if ((ops = PyObject_GetItem(ready, call)) == NULL || (shape = PyObject_GetAttr(tensor, s_shape)) == NULL ||
+        (key = PyTuple_Pack(3, shape, dtype, root)) == NULL)
+        goto done;
+    PyObject *p = PyDict_CheckExact(ops) ? PyDict_GetItemWithError(ops, key) : NULL; /* borrowed */
+    if (p == NULL) {
+        verdict = PyErr_Occurred() ? -2 : 0;
+        goto done;
+    }
+    Py_INCREF(p);
+    PyObject *inp = tensor, *out = tensor;
+    if (mode) {
+        PyObject *rank = PyObject_GetAttr(g, s_rank), *size = rank ? PyObject_GetAttr(g, s_size) : NULL;
+        int is_root = size == NULL ? -1 : PyObject_RichCompareBool(rank, root, Py_EQ);
+        Py_ssize_t n = size == NULL ? 0 : PyLong_AsSsize_t(size);
+        Py_XDECREF(rank);
+        Py_XDECREF(size);
+        verdict = is_root < 0 || (n == -1 && PyErr_Occurred()) ? -2 : plain_list(items, is_root, n, tensor, mode == 1);
+        if (verdict != 1) {
+            Py_DECREF(p);
+            goto done;
+        }
+        if (mode == 1)
+            out = items;
+        else
+            inp = items;
+    }
+    r = run_recorded(g, call, p, inp, out);
+    Py_DECREF(p);
+    verdict = r == NULL ? -2 : 1;
+done:
+    Py_DECREF(g);
+    Py_XDECREF(ready);
+    Py_XDECREF(pending);
+    Py_XDECREF(ops);
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    Py_XDECREF(key);
+    Py_XDECREF(r);
+    if (verdict == -2)
+        return NULL;
+    if (verdict == -1)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(verdict);
+}
+
+static PyObject *
+setup_rooted(PyObject *module, PyObject *args)
+{
+    PyObject *state, *group_type, *array_type, *starts, *ends, *slots, *rest;
+    Py_ssize_t flags_at, descr_at;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OO!O!OOOOnn", &state, &PyType_Type, &group_type, &PyType_Type, &array_type, &starts,
+                          &ends, &slots, &rest, &flags_at, &descr_at))
+        return NULL;
+    if (!PyIter_Check(slots) || !PyCallable_Check(rest)) {
+        PyErr_SetString(PyExc_TypeError, "setup_rooted: slots must be an iterator and rest a callable");
+        return NULL;
+    }
+    Py_ssize_t basic = ((PyTypeObject *)array_type)->tp_basicsize;
+    if (flags_at < (Py_ssize_t)sizeof(PyObject) || flags_at + (Py_ssize_t)sizeof(int) > basic ||
+        descr_at < (Py_ssize_t)sizeof(PyObject) || descr_at + (Py_ssize_t)sizeof(PyObject *) > basic) {
+        PyErr_SetString(PyExc_ValueError, "setup_rooted: the array's flags and descr must lie inside its struct");
+        return NULL;
+    }
+    off_flags = flags_at;
+    off_descr = descr_at;
+    const char *names[] = {"world", "ready", "pending", "rank", "size", "seq", "shape", "dtype", "count", "go"};
+    PyObject **slots_of[] = {&s_world, &s_ready, &s_pending, &s_rank, &s_size, &s_seq, &s_shape, &s_dtype, &s_count, &s_go};
+    if (fr_one == NULL && (fr_one = PyLong_FromLong(1)) == NULL)
+        return NULL;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (*slots_of[i] == NULL && (*slots_of[i] = PyUnicode_InternFromString(names[i])) == NULL)
+            return NULL;
+    }
+    PyObject *objects[] = {state, group_type, array_type, starts, ends, slots, rest};
+    PyObject **targets[] = {&fr_state, (PyObject **)&fr_group_type, (PyObject **)&fr_array_type, &fr_starts, &fr_ends,
+                            &fr_slots, &fr_rest};
+    for (size_t i = 0; i < sizeof objects / sizeof objects[0]; i++) {
+        Py_INCREF(objects[i]);
+        Py_XSETREF(*targets[i], objects[i]);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS,
      "setup(MPI_Start, MPI_Startall, MPI_Test, MPI_Testall, sizeof(MPI_Request), sizeof(MPI_Status), MPI.Exception, "
      "spread, pack, MPI.Request, offset of a Request's handle)"},
+    {"rooted", (PyCFunction)(void (*)(void))rooted, METH_FASTCALL,
+     "rooted(call, tensor, root, group, group_root, async_op, mode, items) -> bool | None: a blocking "
+     "broadcast/reduce (mode 0), gather (1) or scatter (2) through the group's ready operation (see the source)"},
+    {"setup_rooted", setup_rooted, METH_VARARGS,
+     "setup_rooted(world state, ProcessGroup, ndarray, ring starts, ring ends, ring slots, rest, flags offset, "
+     "descr offset)"},
     {"span", span, METH_O,
      "span(parts) -> (root, root address or -1, root bytes, start, end) | False | None: whether the arrays lie back "
      "to back in one root array"},
