@@ -16,6 +16,7 @@ from commlib._ops import ReduceOp, as_reduce_op
 from commlib._world import _state as _world
 from commlib._world import resolve
 from commlib.arrays import DTYPES, address, op_error, same_kind
+from commlib.arrays._layout import struct_offsets
 
 __all__ = [
     "all_gather",
@@ -188,37 +189,16 @@ def _native_rooted() -> Any:
         return None
     if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
         return None  # the C module stamps CLOCK_MONOTONIC in ns, as perf_counter_ns does on Linux
-    layout = _array_layout()
+    layout = struct_offsets()  # where numpy keeps an array's fields, checked; None: not as the C module reads
     if layout is None:
         return None
     try:
         module = importlib.import_module("commlib.backends._ready")  # a C module, no MPI; built or not
     except ImportError:
         return None
-    module.setup_rooted(_world, ProcessGroup, np.ndarray, _starts, _ends, _slots, ready_rest, *layout)
+    module.setup_array(np.ndarray, *layout)
+    module.setup_rooted(_world, ProcessGroup, _starts, _ends, _slots, ready_rest)
     return module.rooted
-
-
-def _array_layout() -> tuple[int, int] | None:
-    """Where numpy's array struct keeps its flags and its dtype (byte offsets), checked on arrays whose
-    flags and dtypes differ; None if this numpy lays them out otherwise (then the C module is not used)."""
-    import ctypes
-
-    flags_at, descr_at = 64, 56  # numpy's PyArrayObject_fields after the object head, 1.x and 2.x alike
-    samples: list[np.ndarray] = [
-        np.zeros((2, 3), np.float32),
-        np.arange(6, dtype=np.int16)[::2],
-        np.ones(1, np.complex128),
-    ]
-    samples[2].flags.writeable = False
-    for a in samples:
-        if object.__sizeof__(a) < descr_at + 8 or a.flags.num == 0:
-            return None
-        if ctypes.c_int.from_address(id(a) + flags_at).value != a.flags.num:
-            return None
-        if ctypes.c_void_p.from_address(id(a) + descr_at).value != id(a.dtype):
-            return None
-    return flags_at, descr_at
 
 
 #: ``rooted_c(call, tensor, root, group, group_root, async_op, mode, items)``: True, ran a blocking rooted

@@ -388,3 +388,14 @@ def rooted_job() -> dict:
 def test_the_c_front_door_takes_exactly_the_calls_the_ready_path_takes() -> None:
     for rank, problems in enumerate(run(rooted_job, 2, timeout=120)):
         assert problems == {}, f"rank {rank}: {problems}"
+
+
+def test_numpy_arrays_are_read_where_the_c_module_is_built() -> None:
+    """The C module reads an array's data, shape, flags and dtype from numpy's struct at offsets checked on
+    real arrays (commlib.arrays._layout); a numpy that lays them out otherwise makes commlib fall back to the
+    buffer protocol and the Python checks, which is correct but slower: say so here rather than silently."""
+    from commlib.arrays._layout import struct_offsets
+
+    if not _c_runner_built():
+        pytest.skip("commlib.backends._ready was not built (no C compiler)")
+    assert struct_offsets() is not None, f"numpy {np.__version__} lays out its arrays otherwise"

@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from commlib._environment import native
+from commlib.arrays._layout import struct_offsets
 
 __all__ = ["Runner", "spin"]
 
@@ -52,6 +53,9 @@ def _module() -> Any:
         sample = MPI.Request()
         offset = MPI._addressof(sample) - id(sample)  # where a Request object keeps its handle
         _ready.setup(*(address(n) for n in names), *sizes, MPI.Exception, _spread, _pack, MPI.Request, offset)
+        layout = struct_offsets()  # where numpy keeps an array's fields, checked: copies read them directly
+        if layout is not None:
+            _ready.setup_array(np.ndarray, *layout)
     except (ImportError, OSError, AttributeError, ValueError, TypeError):
         return None
     return _ready

@@ -35,6 +35,38 @@ static PyTypeObject *request_type; /* mpi4py.MPI.Request */
 static Py_ssize_t handle_offset;   /* where a Request object keeps its MPI_Request handle */
 static int spinning;               /* a thread is in spin() (read and set holding the GIL) */
 
+/* numpy's array struct, read where setup_array() was told (commlib.arrays._layout checks the offsets on
+ * real arrays first): the data pointer, the dimensions, NPY_ARRAY_* flags and the dtype (its descr object).
+ * Asking numpy through the buffer protocol costs ~70-100 ns an array; these reads cost nothing. Until
+ * setup_array() is called (or if it never is) everything goes through the buffer protocol. */
+static PyTypeObject *array_type;
+static Py_ssize_t off_data, off_nd, off_dims, off_flags, off_descr;
+#define ARRAY_DATA(a) (*(char **)((char *)(a) + off_data))
+#define ARRAY_ND(a) (*(int *)((char *)(a) + off_nd))
+#define ARRAY_DIMS(a) (*(Py_ssize_t **)((char *)(a) + off_dims))
+#define ARRAY_FLAGS(a) (*(int *)((char *)(a) + off_flags))
+#define ARRAY_DESCR(a) (*(PyObject **)((char *)(a) + off_descr))
+#define C_CONTIGUOUS 0x0001
+#define ALIGNED 0x0100
+#define WRITEABLE 0x0400
+#define CARRAY (C_CONTIGUOUS | ALIGNED | WRITEABLE)
+
+/* Whether a is a plain numpy array of dtype descr, C-contiguous (and writable if asked), of len bytes
+ * (itemsize: descr's). */
+static int
+array_fits(PyObject *a, PyObject *descr, Py_ssize_t itemsize, Py_ssize_t len, int writable)
+{
+    if (array_type == NULL || Py_TYPE(a) != array_type || ARRAY_DESCR(a) != descr)
+        return 0;
+    int want = writable ? C_CONTIGUOUS | WRITEABLE : C_CONTIGUOUS;
+    if ((ARRAY_FLAGS(a) & want) != want)
+        return 0;
+    Py_ssize_t n = itemsize, nd = ARRAY_ND(a), *dims = ARRAY_DIMS(a);
+    for (Py_ssize_t i = 0; i < nd; i++)
+        n *= dims[i];
+    return n == len;
+}
+
 typedef struct {
     PyObject_HEAD
     int count;            /* requests */
@@ -44,6 +76,9 @@ typedef struct {
     PyObject *own_dst, *own_src; /* a block copied from own_src to own_dst after the start, or None */
     int raw;              /* the callers' arrays have the buffers' dtype: plain byte copies */
     int tests;
+    char *send_at, *recv_at;          /* the buffers' memory (they hold it for the Runner's life) */
+    Py_ssize_t send_len, recv_len, itemsize;
+    PyObject *descr;                  /* the buffers' dtype, where raw and numpy's layout is known */
 } Runner;
 
 static int
@@ -133,6 +168,39 @@ test_all(Runner *self, int *flag)
     return mpi_testall(self->count, self->requests, flag, self->statuses);
 }
 
+/* inp (an array, or a list of equal chunks in rank order) into the buffer at (at, len), or out of it into out,
+ * by reading the arrays' structs: 1 copied, 0 not plain arrays of the buffer's dtype (the caller copies). */
+static int
+fast_copy(Runner *self, PyObject *arrays, char *at, Py_ssize_t len, int out)
+{
+    if (!self->raw || self->descr == NULL || at == NULL)
+        return 0;
+    if (!PyList_CheckExact(arrays)) {
+        if (!array_fits(arrays, self->descr, self->itemsize, len, out))
+            return 0;
+        if (out)
+            memcpy(ARRAY_DATA(arrays), at, (size_t)len);
+        else
+            memcpy(at, ARRAY_DATA(arrays), (size_t)len);
+        return 1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arrays), chunk = n ? len / n : 0;
+    if (n == 0 || chunk * n != len)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!array_fits(PyList_GET_ITEM(arrays, i), self->descr, self->itemsize, chunk, out))
+            return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *a = ARRAY_DATA(PyList_GET_ITEM(arrays, i));
+        if (out)
+            memcpy(a, at + i * chunk, (size_t)chunk);
+        else
+            memcpy(at + i * chunk, a, (size_t)chunk);
+    }
+    return 1;
+}
+
 static PyObject *
 Runner_go(Runner *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -142,7 +210,7 @@ Runner_go(Runner *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *inp = args[0], *out = args[1];
     int code, flag = 0;
-    if (inp != Py_None && self->send != Py_None) {
+    if (inp != Py_None && self->send != Py_None && !fast_copy(self, inp, self->send_at, self->send_len, 0)) {
         if ((PyList_CheckExact(inp) ? copy_list(inp, self->send, 0, self->raw) : copy(self->send, inp, self->raw)) < 0)
             return NULL;
     }
@@ -166,7 +234,7 @@ Runner_go(Runner *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (!flag)
         Py_RETURN_FALSE;
-    if (out != Py_None && self->recv != Py_None) {
+    if (out != Py_None && self->recv != Py_None && !fast_copy(self, out, self->recv_at, self->recv_len, 1)) {
         if ((PyList_CheckExact(out) ? copy_list(out, self->recv, 1, self->raw) : copy(out, self->recv, self->raw)) < 0)
             return NULL;
     }
@@ -231,6 +299,31 @@ Runner_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->own_src = own_src;
     self->raw = raw;
     self->tests = tests;
+    if (raw && array_type != NULL) { /* plain numpy buffers of one dtype: their memory and dtype, for fast_copy */
+        PyObject *bufs[2] = {send, recv};
+        char **ats[2] = {&self->send_at, &self->recv_at};
+        Py_ssize_t *lens[2] = {&self->send_len, &self->recv_len};
+        for (int i = 0; i < 2; i++) {
+            PyObject *b = bufs[i];
+            if (b == Py_None || Py_TYPE(b) != array_type || !(ARRAY_FLAGS(b) & C_CONTIGUOUS))
+                continue;
+            Py_buffer v;
+            if (PyObject_GetBuffer(b, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+                PyErr_Clear();
+                continue;
+            }
+            if (self->descr == NULL || ARRAY_DESCR(b) == self->descr) {
+                *ats[i] = v.buf;
+                *lens[i] = v.len;
+                self->itemsize = v.itemsize;
+                if (self->descr == NULL) {
+                    self->descr = ARRAY_DESCR(b);
+                    Py_INCREF(self->descr);
+                }
+            }
+            PyBuffer_Release(&v);
+        }
+    }
     return (PyObject *)self;
 }
 
@@ -241,6 +334,7 @@ Runner_dealloc(Runner *self)
     Py_XDECREF(self->recv);
     Py_XDECREF(self->own_dst);
     Py_XDECREF(self->own_src);
+    Py_XDECREF(self->descr);
     PyMem_Free(self->requests);
     PyMem_Free(self->statuses);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -438,11 +532,10 @@ span(PyObject *module, PyObject *parts)
  * the root's input list) through the group's ready operation, as commlib._collectives.ready_rooted,
  * commlib._composed._plain and commlib._collectives.run_ready do in Python: True when it ran the call;
  * False when the generic path must (another group, an async call, a new shape, a list that is not plain);
- * the group's ready table of the call has the call's name. Set up by setup_rooted() with the group layer's
- * objects and where numpy keeps an array's flags and dtype (checked there); COMMLIB_NATIVE=0 or no build:
- * the Python functions. */
+ * the group's ready table of the call has the call's name. Set up by setup_array() and setup_rooted() with
+ * the group layer's objects; COMMLIB_NATIVE=0, no build or another numpy layout: the Python functions. */
 static PyObject *fr_state, *fr_starts, *fr_ends, *fr_slots, *fr_rest;
-static PyTypeObject *fr_group_type, *fr_array_type;
+static PyTypeObject *fr_group_type;
 static PyObject *fr_one; /* 1 */
 static PyObject *s_world, *s_ready, *s_pending, *s_rank, *s_size, *s_seq, *s_shape, *s_dtype, *s_count, *s_go;
 
@@ -453,16 +546,6 @@ now_ns(void)
     clock_gettime(CLOCK_MONOTONIC, &t);
     return PyLong_FromLongLong((long long)t.tv_sec * 1000000000LL + (long long)t.tv_nsec);
 }
-
-/* numpy's array struct, read where setup_rooted() found (and checked) its flags and descr fields: an array's
- * dtype is its descr object, its flags numpy's NPY_ARRAY_* bits. */
-static Py_ssize_t off_flags, off_descr;
-#define ARRAY_FLAGS(a) (*(int *)((char *)(a) + off_flags))
-#define ARRAY_DESCR(a) (*(PyObject **)((char *)(a) + off_descr))
-#define C_CONTIGUOUS 0x0001
-#define ALIGNED 0x0100
-#define WRITEABLE 0x0400
-#define CARRAY (C_CONTIGUOUS | ALIGNED | WRITEABLE)
 
 /* _plain: None off the root; on it a list of size arrays of like's type, dtype (the same object) and shape,
  * writable where asked. 1 yes, 0 no, -2 error. */
@@ -477,7 +560,7 @@ plain_list(PyObject *items, int is_root, Py_ssize_t size, PyObject *like, int wr
     int verdict = shape == NULL ? -2 : 1;
     for (Py_ssize_t i = 0; verdict == 1 && i < size; i++) {
         PyObject *a = PyList_GET_ITEM(items, i);
-        if (Py_TYPE(a) != fr_array_type || ARRAY_DESCR(a) != ARRAY_DESCR(like) ||
+        if (Py_TYPE(a) != array_type || ARRAY_DESCR(a) != ARRAY_DESCR(like) ||
             (writable && !(ARRAY_FLAGS(a) & WRITEABLE))) {
             verdict = 0;
             break;
@@ -572,7 +655,7 @@ rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int async_op = PyObject_IsTrue(args[5]);
     if (async_op < 0)
         return NULL;
-    if (async_op || Py_TYPE(tensor) != fr_array_type || !PyLong_CheckExact(root) || args[4] != Py_None)
+    if (async_op || Py_TYPE(tensor) != array_type || !PyLong_CheckExact(root) || args[4] != Py_None)
         Py_RETURN_FALSE;
     int want = mode == 1 ? C_CONTIGUOUS : CARRAY; /* gather only reads its tensor */
     if ((ARRAY_FLAGS(tensor) & want) != want)
@@ -644,24 +727,14 @@ done:
 static PyObject *
 setup_rooted(PyObject *module, PyObject *args)
 {
-    PyObject *state, *group_type, *array_type, *starts, *ends, *slots, *rest;
-    Py_ssize_t flags_at, descr_at;
+    PyObject *state, *group_type, *starts, *ends, *slots, *rest;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OO!O!OOOOnn", &state, &PyType_Type, &group_type, &PyType_Type, &array_type, &starts,
-                          &ends, &slots, &rest, &flags_at, &descr_at))
+    if (!PyArg_ParseTuple(args, "OO!OOOO", &state, &PyType_Type, &group_type, &starts, &ends, &slots, &rest))
         return NULL;
-    if (!PyIter_Check(slots) || !PyCallable_Check(rest)) {
-        PyErr_SetString(PyExc_TypeError, "setup_rooted: slots must be an iterator and rest a callable");
-        return NULL;
-    }
-    Py_ssize_t basic = ((PyTypeObject *)array_type)->tp_basicsize;
-    if (flags_at < (Py_ssize_t)sizeof(PyObject) || flags_at + (Py_ssize_t)sizeof(int) > basic ||
-        descr_at < (Py_ssize_t)sizeof(PyObject) || descr_at + (Py_ssize_t)sizeof(PyObject *) > basic) {
-        PyErr_SetString(PyExc_ValueError, "setup_rooted: the array's flags and descr must lie inside its struct");
+    if (!PyIter_Check(slots) || !PyCallable_Check(rest) || array_type == NULL) {
+        PyErr_SetString(PyExc_TypeError, "setup_rooted: slots must be an iterator, rest a callable; setup_array first");
         return NULL;
     }
-    off_flags = flags_at;
-    off_descr = descr_at;
     const char *names[] = {"world", "ready", "pending", "rank", "size", "seq", "shape", "dtype", "count", "go"};
     PyObject **slots_of[] = {&s_world, &s_ready, &s_pending, &s_rank, &s_size, &s_seq, &s_shape, &s_dtype, &s_count, &s_go};
     if (fr_one == NULL && (fr_one = PyLong_FromLong(1)) == NULL)
@@ -670,13 +743,39 @@ setup_rooted(PyObject *module, PyObject *args)
         if (*slots_of[i] == NULL && (*slots_of[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
     }
-    PyObject *objects[] = {state, group_type, array_type, starts, ends, slots, rest};
-    PyObject **targets[] = {&fr_state, (PyObject **)&fr_group_type, (PyObject **)&fr_array_type, &fr_starts, &fr_ends,
-                            &fr_slots, &fr_rest};
+    PyObject *objects[] = {state, group_type, starts, ends, slots, rest};
+    PyObject **targets[] = {&fr_state, (PyObject **)&fr_group_type, &fr_starts, &fr_ends, &fr_slots, &fr_rest};
     for (size_t i = 0; i < sizeof objects / sizeof objects[0]; i++) {
         Py_INCREF(objects[i]);
         Py_XSETREF(*targets[i], objects[i]);
     }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+setup_array(PyObject *module, PyObject *args)
+{
+    PyObject *type;
+    Py_ssize_t data, nd, dims, flags, descr;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "O!nnnnn", &PyType_Type, &type, &data, &nd, &dims, &flags, &descr))
+        return NULL;
+    Py_ssize_t basic = ((PyTypeObject *)type)->tp_basicsize, head = (Py_ssize_t)sizeof(PyObject);
+    Py_ssize_t at[5] = {data, nd, dims, flags, descr}, size[5] = {sizeof(char *), sizeof(int), sizeof(Py_ssize_t *),
+                                                                  sizeof(int), sizeof(PyObject *)};
+    for (int i = 0; i < 5; i++) {
+        if (at[i] < head || at[i] + size[i] > basic) {
+            PyErr_SetString(PyExc_ValueError, "setup_array: every field must lie inside the array's struct");
+            return NULL;
+        }
+    }
+    off_data = data;
+    off_nd = nd;
+    off_dims = dims;
+    off_flags = flags;
+    off_descr = descr;
+    Py_INCREF(type);
+    Py_XSETREF(array_type, (PyTypeObject *)type);
     Py_RETURN_NONE;
 }
 
@@ -688,8 +787,9 @@ static PyMethodDef module_methods[] = {
      "rooted(call, tensor, root, group, group_root, async_op, mode, items) -> bool | None: a blocking "
      "broadcast/reduce (mode 0), gather (1) or scatter (2) through the group's ready operation (see the source)"},
     {"setup_rooted", setup_rooted, METH_VARARGS,
-     "setup_rooted(world state, ProcessGroup, ndarray, ring starts, ring ends, ring slots, rest, flags offset, "
-     "descr offset)"},
+     "setup_rooted(world state, ProcessGroup, ring starts, ring ends, ring slots, rest), after setup_array()"},
+    {"setup_array", setup_array, METH_VARARGS,
+     "setup_array(ndarray, data, nd, dimensions, flags, descr offsets): where numpy keeps an array's fields"},
     {"span", span, METH_O,
      "span(parts) -> (root, root address or -1, root bytes, start, end) | False | None: whether the arrays lie back "
      "to back in one root array"},
