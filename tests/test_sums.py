@@ -386,7 +386,7 @@ def rooted_job() -> dict:
 
 @pytest.mark.skipif(not _c_runner_built(), reason="commlib.backends._ready was not built (no C compiler)")
 def test_the_c_front_door_takes_exactly_the_calls_the_ready_path_takes() -> None:
-    for rank, problems in enumerate(run(rooted_job, 2, timeout=120)):
+    for rank, problems in enumerate(run(rooted_job, 2, timeout=120, env={"COMMLIB_NATIVE": "1"})):
         assert problems == {}, f"rank {rank}: {problems}"
 
 
