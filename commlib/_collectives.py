@@ -181,10 +181,11 @@ def ready_rest(g: ProcessGroup, call: str, p: Any, out: Any, seq: int, slot: int
         _ends[slot] = _now()
 
 
-def _native_rooted() -> Any:
-    """The C module's ``rooted`` (:func:`ready_rooted`, ``_composed._plain`` and :func:`run_ready` in one C
-    call; ~0.4-1.2 us less per small broadcast, reduce, gather or scatter), set up with the group layer's
-    objects; None where it was not built, ``COMMLIB_NATIVE=0``, or its clock would differ from the ring's."""
+def _native_front() -> Any:
+    """The C module (its ``rooted`` and ``paired``: :func:`ready_rooted` / :func:`ready_paired`, the list checks
+    and :func:`run_ready` in one C call, ~0.2-0.5 us less per small call), set up with the group layer's
+    objects; None where it was not built, ``COMMLIB_NATIVE=0``, numpy lays out its arrays otherwise, or the
+    C clock would differ from the ring's."""
     if not native() or _now is not time.perf_counter_ns:
         return None
     if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
@@ -198,13 +199,17 @@ def _native_rooted() -> Any:
         return None
     module.setup_array(np.ndarray, *layout)
     module.setup_rooted(_world, ProcessGroup, _starts, _ends, _slots, ready_rest)
-    return module.rooted
+    return module
 
 
+_front = _native_front()
 #: ``rooted_c(call, tensor, root, group, group_root, async_op, mode, items)``: True, ran a blocking rooted
-#: call (mode 0 in place, 1 gather, 2 scatter) through the group's ready operation; False (or None), the
-#: generic path (or the Python checks, :func:`ready_rooted`) decide. None where the C module cannot serve.
-rooted_c: Any = _native_rooted()
+#: call (mode 0 in place, 1 gather, 2 scatter) through the group's ready operation; False, the generic path.
+#: None where the C module cannot serve (then :func:`ready_rooted` and :func:`run_ready` do).
+rooted_c: Any = None if _front is None else _front.rooted
+#: ``paired_c(call, table, output, input, group, async_op, input_splits, output_splits)``: the same for
+#: all_gather, reduce_scatter and all_to_all (:func:`ready_paired`).
+paired_c: Any = None if _front is None else _front.paired
 
 
 def ready_rooted(
@@ -311,7 +316,10 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
     call = "all_gather_into_tensor"
-    if (ready := ready_paired("all_gather", output_tensor, input_tensor, group, async_op)) is not None:
+    if paired_c is not None:
+        if paired_c(call, "all_gather", output_tensor, input_tensor, group, async_op, None, None):
+            return None
+    elif (ready := ready_paired("all_gather", output_tensor, input_tensor, group, async_op)) is not None:
         run_ready(ready[0], call, ready[1], input_tensor, output_tensor)
         return None
     g, _ = resolve(group, call)
@@ -424,7 +432,10 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
     call = "reduce_scatter_tensor"
-    if op is _SUM and (ready := ready_paired("reduce_scatter", output, input, group, async_op)) is not None:
+    if op is _SUM and paired_c is not None:
+        if paired_c(call, "reduce_scatter", output, input, group, async_op, None, None):
+            return None
+    elif op is _SUM and (ready := ready_paired("reduce_scatter", output, input, group, async_op)) is not None:
         run_ready(ready[0], call, ready[1], input, output)
         return None
     g, _ = resolve(group, call)

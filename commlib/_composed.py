@@ -16,6 +16,7 @@ from commlib._collectives import (
     check_list,
     packed,
     pair,
+    paired_c,
     ready_paired,
     ready_rooted,
     root_rank,
@@ -79,7 +80,13 @@ def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
-    if output_split_sizes is None and input_split_sizes is None:
+    if paired_c is not None:
+        even = output_split_sizes is None and input_split_sizes is None
+        table = "all_to_all" if even else "all_to_all_v"
+        if paired_c(call, table, output, input, group, async_op, input_split_sizes, output_split_sizes):
+            return None
+        ready = None
+    elif output_split_sizes is None and input_split_sizes is None:
         ready = ready_paired("all_to_all", output, input, group, async_op)
     elif _int_list(input_split_sizes) and _int_list(output_split_sizes):  # as the generic path saw them before
         splits = (tuple(input_split_sizes), tuple(output_split_sizes))  # type: ignore[arg-type]

@@ -302,9 +302,10 @@ def test_the_c_runner_is_built_where_a_compiler_is() -> None:
     assert _c_runner_built(), "a C compiler is here but commlib.backends._ready is not built: pip install -e . again"
 
 
-def rooted_job() -> dict:
-    """The C front door of the rooted calls (commlib._collectives.rooted_c): which calls it takes (and runs,
-    numbered and recorded) and which it leaves to the generic path, as ready_rooted and _plain decide."""
+def front_door_job() -> dict:
+    """The C front doors of the small calls (commlib._collectives.rooted_c, paired_c): which calls they take
+    (and run, numbered and recorded) and which they leave to the generic path, as ready_rooted, _plain and
+    ready_paired decide."""
     import commlib as dist
     from commlib import _collectives
     from commlib._diagnostics import flight
@@ -379,6 +380,64 @@ def rooted_job() -> dict:
         check("scatter: a root not ready", rooted("scatter", part, 1, None, None, False, 2, None), False)
     else:  # off the root a list is a mistake the generic path explains
         check("gather: a list off the root", rooted("gather", part, 0, None, None, False, 1, lists), False)
+    # the paired calls (all_gather, reduce_scatter, all_to_all, uneven all_to_all): _collectives.paired_c
+    paired = _collectives.paired_c
+    ins, outs = [1 + (me + k) % 2 for k in range(n)], [1 + (k + me) % 2 for k in range(n)]
+    x2 = np.zeros((sum(ins), 2), np.float32)
+    got2 = np.zeros((sum(outs), 2), np.float32)
+    out, rs, a2a = np.zeros(3 * n, np.float32), np.zeros(3, np.float32), np.zeros(3 * n, np.float32)
+    for _ in range(2):  # the generic path makes the ready operations (the uneven one at its second sighting)
+        dist.all_gather_into_tensor(out, part)
+        dist.reduce_scatter_tensor(rs, out)
+        dist.all_to_all_single(a2a, out)
+        dist.all_to_all_single(got2, x2, outs, ins)
+    part[:] = me
+    check("all_gather taken", paired("all_gather_into_tensor", "all_gather", out, part, None, False, None, None), True)
+    check("all_gather result", out.tolist(), [float(k) for k in range(n) for _ in range(3)])
+    check(
+        "reduce_scatter taken",
+        paired("reduce_scatter_tensor", "reduce_scatter", rs, out, None, False, None, None),
+        True,
+    )
+    check("reduce_scatter result", rs.tolist(), [float(n * me)] * 3)
+    check("all_to_all taken", paired("all_to_all_single", "all_to_all", a2a, out, None, False, None, None), True)
+    check("all_to_all result", a2a.tolist(), [float(me)] * (3 * n))
+    x2[:] = me
+    uneven = ("all_to_all_single", "all_to_all_v", got2, x2, None, False, ins, outs)
+    check("uneven taken", paired(*uneven), True)
+    check("uneven result", got2[:, 0].tolist(), [float(k) for k in range(n) for _ in range(outs[k])])
+    read_only = np.zeros(3 * n, np.float32)
+    read_only.flags.writeable = False
+    for name, args in {
+        "async_op": ("all_gather_into_tensor", "all_gather", out, part, None, True, None, None),
+        "a strided input": (
+            "all_gather_into_tensor",
+            "all_gather",
+            out,
+            np.zeros(6, np.float32)[::2],
+            None,
+            False,
+            None,
+            None,
+        ),
+        "a read-only output": ("all_gather_into_tensor", "all_gather", read_only, part, None, False, None, None),
+        "a shape not ready": (
+            "all_gather_into_tensor",
+            "all_gather",
+            np.zeros(4 * n, np.float32),
+            np.zeros(4, np.float32),
+            None,
+            False,
+            None,
+            None,
+        ),
+        "splits as tuples": ("all_to_all_single", "all_to_all_v", got2, x2, None, False, tuple(ins), tuple(outs)),
+        "numpy integer splits": ("all_to_all_single", "all_to_all_v", got2, x2, None, False, list(np.array(ins)), outs),
+        "bool splits": ("all_to_all_single", "all_to_all_v", got2, x2, None, False, [True] * n, outs),
+        "one split list": ("all_to_all_single", "all_to_all_v", got2, x2, None, False, ins, None),
+        "splits not ready": ("all_to_all_single", "all_to_all_v", got2, x2, None, False, outs[::-1], ins[::-1]),
+    }.items():
+        check(f"paired: {name}", paired(*args), False)
     dist.barrier()
     dist.destroy_process_group()
     return problems
@@ -386,7 +445,7 @@ def rooted_job() -> dict:
 
 @pytest.mark.skipif(not _c_runner_built(), reason="commlib.backends._ready was not built (no C compiler)")
 def test_the_c_front_door_takes_exactly_the_calls_the_ready_path_takes() -> None:
-    for rank, problems in enumerate(run(rooted_job, 2, timeout=120, env={"COMMLIB_NATIVE": "1"})):
+    for rank, problems in enumerate(run(front_door_job, 2, timeout=120, env={"COMMLIB_NATIVE": "1"})):
         assert problems == {}, f"rank {rank}: {problems}"
 
 

@@ -639,6 +639,52 @@ fail:
     return NULL;
 }
 
+/* The group of a blocking call (new reference in *g, also on failure) and its ready table `table` (new
+ * reference in *ops): 1; 0 when the group cannot run a ready operation now (not a ProcessGroup, no ready
+ * tables, calls pending); -1 on error. */
+static int
+group_ops(PyObject *group, PyObject *table, PyObject **g, PyObject **ops)
+{
+    *ops = NULL;
+    if (group == Py_None)
+        *g = PyObject_GetAttr(fr_state, s_world);
+    else {
+        Py_INCREF(group);
+        *g = group;
+    }
+    if (*g == NULL)
+        return -1;
+    if (Py_TYPE(*g) != fr_group_type)
+        return 0;
+    PyObject *ready = PyObject_GetAttr(*g, s_ready), *pending = ready ? PyObject_GetAttr(*g, s_pending) : NULL;
+    int busy = pending ? PyObject_IsTrue(pending) : -1, result = busy < 0 ? -1 : 0;
+    if (busy == 0 && ready != Py_None) {
+        *ops = PyObject_GetItem(ready, table);
+        result = *ops ? 1 : -1;
+    }
+    Py_XDECREF(ready);
+    Py_XDECREF(pending);
+    return result;
+}
+
+/* ops[key] (a new reference), or NULL: none (no error set) or an error. */
+static PyObject *
+lookup(PyObject *ops, PyObject *key)
+{
+    PyObject *p = PyDict_CheckExact(ops) ? PyDict_GetItemWithError(ops, key) : NULL;
+    Py_XINCREF(p);
+    return p;
+}
+
+/* The answer of rooted() and paired(): 1 True (ran), 0 False (the generic path), -1 an error raised. */
+static PyObject *
+verdict_of(int verdict)
+{
+    if (verdict < 0)
+        return NULL;
+    return PyBool_FromLong(verdict);
+}
+
 static PyObject *
 rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -648,80 +694,115 @@ rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "rooted(call, tensor, root, group, group_root, async_op, mode, items), after setup_rooted()");
         return NULL;
     }
-    PyObject *call = args[0], *tensor = args[1], *root = args[2], *group = args[3], *items = args[7];
+    PyObject *call = args[0], *tensor = args[1], *root = args[2], *items = args[7];
     long mode = PyLong_AsLong(args[6]);
-    if (mode == -1 && PyErr_Occurred())
-        return NULL;
     int async_op = PyObject_IsTrue(args[5]);
-    if (async_op < 0)
+    if ((mode == -1 && PyErr_Occurred()) || async_op < 0)
         return NULL;
     if (async_op || Py_TYPE(tensor) != array_type || !PyLong_CheckExact(root) || args[4] != Py_None)
         Py_RETURN_FALSE;
     int want = mode == 1 ? C_CONTIGUOUS : CARRAY; /* gather only reads its tensor */
     if ((ARRAY_FLAGS(tensor) & want) != want)
         Py_RETURN_FALSE;
-    PyObject *g = group == Py_None ? PyObject_GetAttr(fr_state, s_world) : (Py_INCREF(group), group);
-    PyObject *ready = NULL, *pending = NULL, *ops = NULL, *shape = NULL, *dtype = NULL, *key = NULL, *r = NULL;
-    int verdict = 0; /* 1 ran, 0 generic path, -1 cannot tell, -2 error */
-    if (g == NULL)
-        return NULL;
-    if (Py_TYPE(g) != fr_group_type)
-        goto done;
-    verdict = -2;
-    if ((ready = PyObject_GetAttr(g, s_ready)) == NULL || (pending = PyObject_GetAttr(g, s_pending)) == NULL)
-        goto done;
-    int busy = PyObject_IsTrue(pending);
-    if (busy < 0)
-        goto done;
-    verdict = 0;
-    if (ready == Py_None || busy)
-        goto done;
-    verdict = -2;
-    dtype = ARRAY_DESCR(tensor);
-    Py_INCREF(dtype);
-    if ((ops = PyObject_GetItem(ready, call)) == NULL || (shape = PyObject_GetAttr(tensor, s_shape)) == NULL ||
-        (key = PyTuple_Pack(3, shape, dtype, root)) == NULL)
-        goto done;
-    PyObject *p = PyDict_CheckExact(ops) ? PyDict_GetItemWithError(ops, key) : NULL; /* borrowed */
-    if (p == NULL) {
-        verdict = PyErr_Occurred() ? -2 : 0;
-        goto done;
+    PyObject *g, *ops, *shape = NULL, *key = NULL, *p = NULL, *r = NULL;
+    int verdict = group_ops(args[3], call, &g, &ops);
+    if (verdict == 1) {
+        verdict = -1;
+        if ((shape = PyObject_GetAttr(tensor, s_shape)) != NULL &&
+            (key = PyTuple_Pack(3, shape, ARRAY_DESCR(tensor), root)) != NULL)
+            verdict = (p = lookup(ops, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
     }
-    Py_INCREF(p);
     PyObject *inp = tensor, *out = tensor;
-    if (mode) {
+    if (verdict == 1 && mode) {
         PyObject *rank = PyObject_GetAttr(g, s_rank), *size = rank ? PyObject_GetAttr(g, s_size) : NULL;
         int is_root = size == NULL ? -1 : PyObject_RichCompareBool(rank, root, Py_EQ);
         Py_ssize_t n = size == NULL ? 0 : PyLong_AsSsize_t(size);
         Py_XDECREF(rank);
         Py_XDECREF(size);
-        verdict = is_root < 0 || (n == -1 && PyErr_Occurred()) ? -2 : plain_list(items, is_root, n, tensor, mode == 1);
-        if (verdict != 1) {
-            Py_DECREF(p);
-            goto done;
-        }
+        verdict = is_root < 0 || (n == -1 && PyErr_Occurred()) ? -1 : plain_list(items, is_root, n, tensor, mode == 1);
         if (mode == 1)
             out = items;
         else
             inp = items;
     }
-    r = run_recorded(g, call, p, inp, out);
-    Py_DECREF(p);
-    verdict = r == NULL ? -2 : 1;
-done:
-    Py_DECREF(g);
-    Py_XDECREF(ready);
-    Py_XDECREF(pending);
+    if (verdict == 1)
+        verdict = (r = run_recorded(g, call, p, inp, out)) != NULL ? 1 : -1;
+    Py_XDECREF(g);
     Py_XDECREF(ops);
     Py_XDECREF(shape);
-    Py_XDECREF(dtype);
     Py_XDECREF(key);
+    Py_XDECREF(p);
     Py_XDECREF(r);
-    if (verdict == -2)
+    return verdict_of(verdict);
+}
+
+/* A non-empty list of ints (not bools) as a tuple (new reference); NULL without an error when it is not one. */
+static PyObject *
+int_tuple(PyObject *sizes)
+{
+    if (!PyList_CheckExact(sizes) || PyList_GET_SIZE(sizes) == 0)
         return NULL;
-    if (verdict == -1)
-        Py_RETURN_NONE;
-    return PyBool_FromLong(verdict);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(sizes); i++) {
+        if (!PyLong_CheckExact(PyList_GET_ITEM(sizes, i)))
+            return NULL;
+    }
+    return PyList_AsTuple(sizes);
+}
+
+/* paired(call, table, output, input, group, async_op, input_splits, output_splits): all_gather, reduce_scatter
+ * (SUM), all_to_all (splits None) and the uneven all_to_all (splits: lists of ints) through the group's ready
+ * operation, as commlib._collectives.ready_paired and run_ready do: True ran it, False the generic path. */
+static PyObject *
+paired(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 8 || fr_rest == NULL) {
+        PyErr_SetString(PyExc_TypeError,
+                        "paired(call, table, output, input, group, async_op, input_splits, output_splits), after "
+                        "setup_rooted()");
+        return NULL;
+    }
+    PyObject *call = args[0], *output = args[2], *input = args[3], *ins = args[6], *outs = args[7];
+    int async_op = PyObject_IsTrue(args[5]);
+    if (async_op < 0)
+        return NULL;
+    if (async_op || Py_TYPE(input) != array_type || Py_TYPE(output) != array_type ||
+        !(ARRAY_FLAGS(input) & C_CONTIGUOUS) || (ARRAY_FLAGS(output) & CARRAY) != CARRAY)
+        Py_RETURN_FALSE;
+    PyObject *splits = NULL, *g = NULL, *ops = NULL, *in_shape = NULL, *out_shape = NULL, *key = NULL, *p = NULL;
+    PyObject *r = NULL;
+    int verdict = 0;
+    if (ins != Py_None || outs != Py_None) { /* the uneven all_to_all: both split lists, of ints */
+        PyObject *a = int_tuple(ins), *b = a ? int_tuple(outs) : NULL;
+        if (b != NULL)
+            splits = PyTuple_Pack(2, a, b);
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        if (splits == NULL)
+            return PyErr_Occurred() ? NULL : PyBool_FromLong(0);
+    }
+    verdict = group_ops(args[4], args[1], &g, &ops);
+    if (verdict == 1) {
+        verdict = -1;
+        if ((in_shape = PyObject_GetAttr(input, s_shape)) != NULL &&
+            (out_shape = PyObject_GetAttr(output, s_shape)) != NULL) {
+            PyObject *i_d = ARRAY_DESCR(input), *o_d = ARRAY_DESCR(output);
+            key = splits ? PyTuple_Pack(5, in_shape, i_d, out_shape, o_d, splits) : PyTuple_Pack(4, in_shape, i_d, out_shape, o_d);
+            if (key != NULL)
+                verdict = (p = lookup(ops, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
+        }
+    }
+    if (verdict == 1)
+        verdict = (r = run_recorded(g, call, p, input, output)) != NULL ? 1 : -1;
+    Py_XDECREF(splits);
+    Py_XDECREF(g);
+    Py_XDECREF(ops);
+    Py_XDECREF(in_shape);
+    Py_XDECREF(out_shape);
+    Py_XDECREF(key);
+    Py_XDECREF(p);
+    Py_XDECREF(r);
+    return verdict_of(verdict);
 }
 
 static PyObject *
@@ -786,6 +867,9 @@ static PyMethodDef module_methods[] = {
     {"rooted", (PyCFunction)(void (*)(void))rooted, METH_FASTCALL,
      "rooted(call, tensor, root, group, group_root, async_op, mode, items) -> bool | None: a blocking "
      "broadcast/reduce (mode 0), gather (1) or scatter (2) through the group's ready operation (see the source)"},
+    {"paired", (PyCFunction)(void (*)(void))paired, METH_FASTCALL,
+     "paired(call, table, output, input, group, async_op, input_splits, output_splits) -> bool: a blocking "
+     "all_gather, reduce_scatter or all_to_all through the group's ready operation (see the source)"},
     {"setup_rooted", setup_rooted, METH_VARARGS,
      "setup_rooted(world state, ProcessGroup, ring starts, ring ends, ring slots, rest), after setup_array()"},
     {"setup_array", setup_array, METH_VARARGS,
