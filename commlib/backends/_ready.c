@@ -619,6 +619,10 @@ run_recorded(PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *
         result = PyObject_CallFunctionObjArgs(fr_rest, g, call, p, out, seq, slot, exc ? exc : Py_None, NULL);
         Py_XDECREF(exc);
     }
+    goto done;
+fail:
+    Py_CLEAR(result);
+done:
     Py_DECREF(seq);
     Py_XDECREF(slot);
     Py_XDECREF(dtype);
@@ -627,16 +631,6 @@ run_recorded(PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *
     Py_XDECREF(entry);
     Py_XDECREF(go);
     return result;
-fail:
-    Py_DECREF(seq);
-    Py_XDECREF(slot);
-    Py_XDECREF(dtype);
-    Py_XDECREF(count);
-    Py_XDECREF(t);
-    Py_XDECREF(entry);
-    Py_XDECREF(go);
-    Py_XDECREF(result);
-    return NULL;
 }
 
 /* The group of a blocking call (new reference in *g, also on failure) and its ready table `table` (new
@@ -676,24 +670,37 @@ lookup(PyObject *ops, PyObject *key)
     return p;
 }
 
-/* The answer of rooted() and paired(): 1 True (ran), 0 False (the generic path), -1 an error raised. */
+/* The end of rooted() and paired(): where verdict is 1 run p (run_recorded); release g and p; answer True
+ * (ran), False (verdict 0: the generic path) or NULL (-1: an error raised). */
 static PyObject *
-verdict_of(int verdict)
+answer(int verdict, PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *out)
 {
-    if (verdict < 0)
-        return NULL;
-    return PyBool_FromLong(verdict);
+    if (verdict == 1) {
+        PyObject *r = run_recorded(g, call, p, inp, out);
+        verdict = r != NULL ? 1 : -1;
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(g);
+    Py_XDECREF(p);
+    return verdict < 0 ? NULL : PyBool_FromLong(verdict);
+}
+
+/* 0 where a front door got its 8 arguments after setup_rooted(); else -1 with a TypeError giving its usage. */
+static int
+arity(Py_ssize_t nargs, const char *usage)
+{
+    if (nargs == 8 && fr_rest != NULL)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s, after setup_rooted()", usage);
+    return -1;
 }
 
 static PyObject *
 rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 8 || fr_rest == NULL) {
-        PyErr_SetString(PyExc_TypeError,
-                        "rooted(call, tensor, root, group, group_root, async_op, mode, items), after setup_rooted()");
+    if (arity(nargs, "rooted(call, tensor, root, group, group_root, async_op, mode, items)") < 0)
         return NULL;
-    }
     PyObject *call = args[0], *tensor = args[1], *root = args[2], *items = args[7];
     long mode = PyLong_AsLong(args[6]);
     int async_op = PyObject_IsTrue(args[5]);
@@ -704,7 +711,7 @@ rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int want = mode == 1 ? C_CONTIGUOUS : CARRAY; /* gather only reads its tensor */
     if ((ARRAY_FLAGS(tensor) & want) != want)
         Py_RETURN_FALSE;
-    PyObject *g, *ops, *shape = NULL, *key = NULL, *p = NULL, *r = NULL;
+    PyObject *g, *ops, *shape = NULL, *key = NULL, *p = NULL;
     int verdict = group_ops(args[3], call, &g, &ops);
     if (verdict == 1) {
         verdict = -1;
@@ -725,15 +732,10 @@ rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         else
             inp = items;
     }
-    if (verdict == 1)
-        verdict = (r = run_recorded(g, call, p, inp, out)) != NULL ? 1 : -1;
-    Py_XDECREF(g);
     Py_XDECREF(ops);
     Py_XDECREF(shape);
     Py_XDECREF(key);
-    Py_XDECREF(p);
-    Py_XDECREF(r);
-    return verdict_of(verdict);
+    return answer(verdict, g, call, p, inp, out);
 }
 
 /* A non-empty list of ints (not bools) as a tuple (new reference); NULL without an error when it is not one. */
@@ -756,12 +758,8 @@ static PyObject *
 paired(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 8 || fr_rest == NULL) {
-        PyErr_SetString(PyExc_TypeError,
-                        "paired(call, table, output, input, group, async_op, input_splits, output_splits), after "
-                        "setup_rooted()");
+    if (arity(nargs, "paired(call, table, output, input, group, async_op, input_splits, output_splits)") < 0)
         return NULL;
-    }
     PyObject *call = args[0], *output = args[2], *input = args[3], *ins = args[6], *outs = args[7];
     int async_op = PyObject_IsTrue(args[5]);
     if (async_op < 0)
@@ -770,7 +768,6 @@ paired(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         !(ARRAY_FLAGS(input) & C_CONTIGUOUS) || (ARRAY_FLAGS(output) & CARRAY) != CARRAY)
         Py_RETURN_FALSE;
     PyObject *splits = NULL, *g = NULL, *ops = NULL, *in_shape = NULL, *out_shape = NULL, *key = NULL, *p = NULL;
-    PyObject *r = NULL;
     int verdict = 0;
     if (ins != Py_None || outs != Py_None) { /* the uneven all_to_all: both split lists, of ints */
         PyObject *a = int_tuple(ins), *b = a ? int_tuple(outs) : NULL;
@@ -792,17 +789,12 @@ paired(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 verdict = (p = lookup(ops, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
         }
     }
-    if (verdict == 1)
-        verdict = (r = run_recorded(g, call, p, input, output)) != NULL ? 1 : -1;
     Py_XDECREF(splits);
-    Py_XDECREF(g);
     Py_XDECREF(ops);
     Py_XDECREF(in_shape);
     Py_XDECREF(out_shape);
     Py_XDECREF(key);
-    Py_XDECREF(p);
-    Py_XDECREF(r);
-    return verdict_of(verdict);
+    return answer(verdict, g, call, p, input, output);
 }
 
 static PyObject *
