@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from commlib._collectives import run_ready
+from commlib._collectives import plain_c, run_ready
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._timeouts import as_seconds
@@ -21,7 +21,10 @@ def barrier(
 ) -> Work | None:
     """Wait until every rank of the group has called barrier (``timeout`` overrides the group's)."""
     g = _world.world if group is None else group
-    if (
+    if timeout is None and not async_op and device_ids is None and plain_c is not None:
+        if plain_c("barrier", group):
+            return None
+    elif (
         timeout is None
         and not async_op
         and device_ids is None

@@ -210,6 +210,8 @@ rooted_c: Any = None if _front is None else _front.rooted
 #: ``paired_c(call, table, output, input, group, async_op, input_splits, output_splits)``: the same for
 #: all_gather, reduce_scatter and all_to_all (:func:`ready_paired`).
 paired_c: Any = None if _front is None else _front.paired
+#: ``plain_c(call, group)``: the same for a call without arrays (barrier).
+plain_c: Any = None if _front is None else _front.plain
 
 
 def ready_rooted(

@@ -438,6 +438,13 @@ def front_door_job() -> dict:
         "splits not ready": ("all_to_all_single", "all_to_all_v", got2, x2, None, False, outs[::-1], ins[::-1]),
     }.items():
         check(f"paired: {name}", paired(*args), False)
+    # a barrier (no arrays): _collectives.plain_c
+    dist.barrier()
+    dist.barrier()  # ready from here
+    seq = g.seq
+    check("barrier taken", _collectives.plain_c("barrier", None), True)
+    check("barrier numbered", g.seq, seq + 1)
+    check("barrier: not a group", _collectives.plain_c("barrier", "world"), False)
     dist.barrier()
     dist.destroy_process_group()
     return problems

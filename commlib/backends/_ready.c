@@ -797,6 +797,25 @@ paired(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return answer(verdict, g, call, p, input, output);
 }
 
+/* plain(call, group): a call without arrays (barrier) through the group's ready operation, as the Python
+ * preamble of commlib._barrier.barrier and run_ready do: True ran it, False the generic path. */
+static PyObject *
+plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2 || fr_rest == NULL) {
+        PyErr_SetString(PyExc_TypeError, "plain(call, group), after setup_rooted()");
+        return NULL;
+    }
+    PyObject *g = NULL, *ops = NULL, *p = NULL, *none = PyTuple_New(0);
+    int verdict = none == NULL ? -1 : group_ops(args[1], args[0], &g, &ops);
+    if (verdict == 1)
+        verdict = (p = lookup(ops, none)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
+    Py_XDECREF(none);
+    Py_XDECREF(ops);
+    return answer(verdict, g, args[0], p, Py_None, Py_None);
+}
+
 static PyObject *
 setup_rooted(PyObject *module, PyObject *args)
 {
@@ -862,6 +881,8 @@ static PyMethodDef module_methods[] = {
     {"paired", (PyCFunction)(void (*)(void))paired, METH_FASTCALL,
      "paired(call, table, output, input, group, async_op, input_splits, output_splits) -> bool: a blocking "
      "all_gather, reduce_scatter or all_to_all through the group's ready operation (see the source)"},
+    {"plain", (PyCFunction)(void (*)(void))plain, METH_FASTCALL,
+     "plain(call, group) -> bool: a barrier through the group's ready operation (see the source)"},
     {"setup_rooted", setup_rooted, METH_VARARGS,
      "setup_rooted(world state, ProcessGroup, ring starts, ring ends, ring slots, rest), after setup_array()"},
     {"setup_array", setup_array, METH_VARARGS,
