@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from commlib._collectives import plain_c, run_ready
+from commlib._collectives import plain_c, ready_op, run_ready
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._timeouts import as_seconds
@@ -29,9 +29,7 @@ def barrier(
         and not async_op
         and device_ids is None
         and type(g) is ProcessGroup
-        and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
-        and not g.pending
-        and (p := ready["barrier"].get(())) is not None
+        and (p := ready_op(g, "barrier", ())) is not None
     ):
         run_ready(g, "barrier", p, None, None)
         return None

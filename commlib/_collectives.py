@@ -214,6 +214,14 @@ paired_c: Any = None if _front is None else _front.paired
 plain_c: Any = None if _front is None else _front.plain
 
 
+def ready_op(g: ProcessGroup, table: str, key: tuple) -> Any:
+    """The ready operation of ``table`` for ``key`` when ``g`` may run it now (else None: the generic path).
+    The Python path's lookup; the C front doors (:data:`rooted_c`, :data:`paired_c`, :data:`plain_c`) do it
+    themselves, and send/recv inline it."""
+    ready = g.ready
+    return None if ready is None or g.pending else ready[table].get(key)
+
+
 def ready_rooted(
     table: str, tensor: Any, root: Any, group: Any, group_root: Any, async_op: bool, writes: bool = True
 ) -> tuple[ProcessGroup, Any] | None:
@@ -227,9 +235,7 @@ def ready_rooted(
         and group_root is None
         and (tensor.flags.carray if writes else tensor.flags.c_contiguous)
         and type(g) is ProcessGroup
-        and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
-        and not g.pending
-        and (p := ready[table].get((tensor.shape, tensor.dtype, root))) is not None
+        and (p := ready_op(g, table, (tensor.shape, tensor.dtype, root))) is not None
     ):
         return g, p
     return None
@@ -249,11 +255,9 @@ def ready_paired(
         and input.flags.c_contiguous
         and output.flags.carray
         and type(g) is ProcessGroup
-        and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
-        and not g.pending
     ):
         key = (input.shape, input.dtype, output.shape, output.dtype)
-        if (p := ready[table].get(key if splits is None else (*key, splits))) is not None:
+        if (p := ready_op(g, table, key if splits is None else (*key, splits))) is not None:
             return g, p
     return None
 
