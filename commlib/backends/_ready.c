@@ -1,14 +1,21 @@
-/* commlib.backends._ready: one run of a ready (persistent) MPI operation, in C.
+/* commlib.backends._ready: commlib's hot paths in C. Optional: without it (no compiler at install,
+ * or COMMLIB_NATIVE=0) the same steps run in Python, and the tests run both.
  *
- * A small blocking collective spends most of its time in Python around the MPI call: two numpy
- * copies (about 0.15 us each), the start, the test loop. Runner.go(inp, out) does all of it in one
- * call: copy inp into the operation's send buffer, start its requests, test them up to `tests`
- * times (holding the GIL: a few tens of microseconds at most), and once complete copy the receive
- * buffer into out. inp may be a list of arrays (scatter's root list: packed in rank order), and so may
- * out (gather's root list: filled in rank order). It returns True (complete, out
- * written) or False (still running: the caller waits with its deadline, then copies out itself),
- * and raises mpi4py.MPI.Exception(code) for an MPI error. Python's Persistent.go / Exchange.go
- * (commlib/backends/_mpi.py) do the same where this module was not built.
+ * Four parts, in this order:
+ * - Runner: one run of a ready (persistent) MPI operation. A small blocking collective spends most of its
+ *   time in Python around the MPI call: the copies, the start, the test loop. Runner.go(inp, out) does
+ *   all of it in one call: copy inp into the operation's send buffer, start its requests, test them up to
+ *   `tests` times (holding the GIL: a few tens of microseconds at most), and once complete copy the
+ *   receive buffer into out. inp may be a list of arrays (scatter's root list: packed in rank order), and
+ *   so may out (gather's root list: filled in rank order). It returns True (complete, out written) or
+ *   False (still running: the caller waits with its deadline, then copies out itself), and raises
+ *   mpi4py.MPI.Exception(code) for an MPI error. Python's Persistent.go / Exchange.go
+ *   (commlib/backends/_mpi.py) do the same where this module was not built.
+ * - spin(request, seconds): a large wait, MPI_Test in a loop without the GIL until done or a deadline.
+ * - span(parts): whether a list of arrays lies back to back in one buffer (commlib._collectives.packed).
+ * - rooted / paired / plain: the group layer's ready path of the small calls (checks, lookup, numbering,
+ *   flight recorder, run) in one call, mirroring commlib._collectives' Python functions.
+ * numpy arrays are read through their struct where commlib.arrays._layout found (and checked) it.
  *
  * No MPI header and no link to MPI: MPI_Start/Startall/Test/Testall are the addresses in the MPI
  * library mpi4py loaded (set once by setup()), and request handles are opaque values of the
@@ -899,7 +906,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_ready",
-    .m_doc = "One run of a ready MPI operation in C (see Runner).",
+    .m_doc = "commlib's hot paths in C: Runner, spin, span, the front doors rooted/paired/plain (see the source).",
     .m_size = -1,
     .m_methods = module_methods,
 };
