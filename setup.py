@@ -1,9 +1,10 @@
-"""The one compiled part: commlib.backends._ready, the mpi backend's run of a persistent operation (copies
-in and out, start, tests) in one C call, on the hot path of every small blocking call.
+"""The one compiled part: commlib.backends._ready, commlib's hot paths in C: the mpi backend's run of a
+persistent operation (copies in and out, start, tests), the spin of a large wait, and the group layer's
+ready path of the small calls (checks, lookup, numbering, flight recorder) in one C call each.
 
 Optional: without a C compiler the build goes on without it and commlib runs the same steps in Python
-(``commlib.backends._mpi``), most of a microsecond slower per call. Everything else about the package is
-in pyproject.toml.
+(``commlib.backends._mpi``, ``commlib._collectives``), about a microsecond slower per small call.
+Everything else about the package is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
