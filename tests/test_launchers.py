@@ -5,13 +5,13 @@ rank that never comes is named within the timeout."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from commlib.launch._mpiexec import find_mpiexec
 
@@ -20,12 +20,6 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torch_distributed_eval.py"
 EMULATOR = {"COMMLIB_NCCL_EMULATOR": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -62,19 +56,19 @@ def test_torchrun_standalone(backend: str, under_mpiexec: dict[int, list[str]]) 
 
 @pytest.mark.parametrize("scheme", ["tcp", "file"])
 def test_mp_spawn(scheme: str, tmp_path: Path, under_mpiexec: dict[int, list[str]]) -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}" if scheme == "tcp" else f"file://{tmp_path / 'rendezvous'}"
+    init = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path / 'rendezvous'}"
     assert _answers(_run([sys.executable, str(EXAMPLE), "--spawn", "3", init])) == under_mpiexec[3]
     assert not (tmp_path / "rendezvous").exists()  # the file store is removed once every rank has left
 
 
 def test_mp_spawn_on_the_nccl_emulator(under_mpiexec: dict[int, list[str]]) -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     assert _answers(_run([sys.executable, str(EXAMPLE), "--spawn", "3", init], EMULATOR)) == under_mpiexec[3]
 
 
 def test_torchrun_two_nodes_through_a_rendezvous_endpoint(under_mpiexec: dict[int, list[str]]) -> None:
     """Two torchrun agents (two "nodes" on one host) of 2 workers each, meeting at --rdzv_endpoint."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     args = ["--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_"))} | {"OMP_NUM_THREADS": "1"}
     nodes = [
@@ -107,7 +101,7 @@ def test_plain_processes_meet_through_env_variables(backend: str, tmp_path: Path
     """No launcher at all: two processes given RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT by hand."""
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
-    port = _free_port()
+    port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_"))}
     base |= {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     base |= EMULATOR if backend == "nccl" else {}
@@ -124,7 +118,7 @@ def test_plain_processes_meet_through_env_variables(backend: str, tmp_path: Path
 
 def test_a_rank_that_never_comes_is_named_within_the_timeout() -> None:
     """WORLD_SIZE=2 but only rank 0 starts: it says who it waited for, where, and what to do, in about 3 s."""
-    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     start = time.monotonic()
     proc = _run([sys.executable, "-c", "import commlib as d; d.init_process_group(timeout=3)"], env, timeout=60)
     took = time.monotonic() - start
@@ -137,7 +131,7 @@ def test_a_rank_that_never_comes_is_named_within_the_timeout() -> None:
 
 def test_a_rank_whose_store_nobody_serves_is_named() -> None:
     """Rank 1 with no rank 0 serving the store: it names the address it tried, in about 3 s."""
-    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = _run([sys.executable, "-c", "import commlib as d; d.init_process_group(timeout=3)"], env, timeout=60)
     last = proc.stderr.strip().splitlines()[-1]
     assert "rank 1 of 2 (RANK and WORLD_SIZE): could not reach the rendezvous store at 127.0.0.1:" in last, last

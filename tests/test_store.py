@@ -16,6 +16,7 @@ from typing import TypeVar
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from ports import free_port
 from reference import search_settings
 
 from commlib.errors import CommError, CommTimeoutError
@@ -28,13 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 Peer = Callable[[], Store]
 S = TypeVar("S", bound=Store)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _python(script: str, *args: object) -> subprocess.Popen[bytes]:
@@ -188,7 +182,7 @@ def test_master_can_serve_a_socket_it_is_given() -> None:
 
 
 def test_client_retries_until_the_server_starts() -> None:
-    port = _free_port()
+    port = free_port(HOST)
     result: list[bytes] = []
 
     def client() -> None:
@@ -205,7 +199,7 @@ def test_client_retries_until_the_server_starts() -> None:
 
 
 def test_client_times_out_naming_host_and_port() -> None:
-    port = _free_port()
+    port = free_port(HOST)
     started = time.monotonic()
     with pytest.raises(CommTimeoutError, match=f"{HOST}:{port}"):
         TCPStore(HOST, port, timeout=0.3)
@@ -213,7 +207,7 @@ def test_client_times_out_naming_host_and_port() -> None:
 
 
 def test_wait_for_workers() -> None:
-    port = _free_port()
+    port = free_port(HOST)
     masters: list[TCPStore] = []
     thread = threading.Thread(target=lambda: masters.append(TCPStore(HOST, port, 3, True, timeout=10)))
     thread.start()

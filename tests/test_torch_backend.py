@@ -9,9 +9,9 @@ scenarios whose result was wrong. The same calls run on a gloo group of the same
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+from ports import free_port
 
 from commlib.testing import run, world_sizes
 
@@ -20,10 +20,7 @@ pytest.importorskip("torch")
 
 def free_port_env() -> dict[str, str]:
     """MASTER_ADDR/MASTER_PORT for torch's env:// rendezvous on a port nobody uses now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
 
 
 def init_torch(timeout: float = 30.0) -> None:
