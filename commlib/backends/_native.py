@@ -1,9 +1,12 @@
 """commlib's C module for MPI (``commlib/backends/_ready.c``), set up once with the MPI library mpi4py loaded.
 
 :data:`Runner` runs a ready (persistent) operation in one C call; :data:`spin` tests a request in a loop
-without the GIL until it completes or a deadline passes. Both are None where the module was not built
-(no C compiler at install), cannot find MPI's functions, or ``COMMLIB_NATIVE=0``: the same work then
-runs in Python (:class:`commlib.backends._mpi.Persistent`'s own ``go``, :class:`commlib.backends._waker.Waker`).
+without the GIL until it completes or a deadline passes; :data:`Direct` posts a large blocking call on the
+caller's arrays and tests it so, in one C call. They are None where the module was not built (no C
+compiler at install), cannot find MPI's functions, or ``COMMLIB_NATIVE=0`` (Direct also where MPI's
+handles are not ints, as in MPICH's ABI): the same work then runs in Python
+(:class:`commlib.backends._mpi.Persistent`'s own ``go``, :class:`commlib.backends._waker.Waker`, the
+backend's nonblocking calls).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from mpi4py import MPI
 from commlib._environment import native
 from commlib.arrays._layout import struct_offsets
 
-__all__ = ["Runner", "spin"]
+__all__ = ["Direct", "Runner", "spin"]
 
 
 def _spread(outs: list[np.ndarray], whole: np.ndarray) -> None:
@@ -58,7 +61,23 @@ def _module() -> Any:
             _ready.setup_array(np.ndarray, *layout)
     except (ImportError, OSError, AttributeError, ValueError, TypeError):
         return None
+    global Direct
+    try:  # Direct posts MPI's nonblocking collectives itself: MPICH's ABI (int handles) and numpy's layout known
+        posts = tuple(address(f"MPI_I{n}") for n in _POSTS)
+        _ready.setup_direct(posts, int(MPI.IN_PLACE), MPI._sizeof(MPI.Comm))
+        same = MPI._sizeof(MPI.Comm) == MPI._sizeof(MPI.Datatype) == MPI._sizeof(MPI.Op)
+        Direct = _ready.Direct if same and layout is not None else None
+    except (AttributeError, ValueError, TypeError):
+        Direct = None
     return _ready
+
+
+#: the nonblocking collectives Direct posts, in the order of commlib.backends._direct.KINDS (MPI_I...)
+_POSTS = ("allreduce", "bcast", "reduce", "allgather", "reduce_scatter_block", "alltoall", "gather", "scatter")
+_POSTS += ("send", "recv")
+#: ``Direct(kind, comm, dtype, op, root, tag, rank, size, count, descr, itemsize, in_len, out_len, block)``: a large
+#: blocking call posted on the caller's arrays (see commlib.backends._direct); None where it cannot serve
+Direct: Any = None
 
 
 _ready = _module()

@@ -15,52 +15,37 @@
  * - span(parts): whether a list of arrays lies back to back in one buffer (commlib._collectives.packed).
  * - rooted / paired / plain: the group layer's ready path of the small calls (checks, lookup, numbering,
  *   flight recorder, run) in one call, mirroring commlib._collectives' Python functions.
+ * A fifth part lives in _direct.c (Direct: a large blocking call posted on the caller's arrays); _ready.h
+ * holds what the two files share.
  * numpy arrays are read through their struct where commlib.arrays._layout found (and checked) it.
  *
  * No MPI header and no link to MPI: MPI_Start/Startall/Test/Testall are the addresses in the MPI
  * library mpi4py loaded (set once by setup()), and request handles are opaque values of the
  * library's own size, so this file builds with a C compiler alone and follows mpi4py's MPI.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <string.h>
-#include <time.h>
-
-typedef int (*start_fn)(void *request);
-typedef int (*startall_fn)(int count, void *requests);
-typedef int (*test_fn)(void *request, int *flag, void *status);
-typedef int (*testall_fn)(int count, void *requests, int *flag, void *statuses);
+#include "_ready.h"
 
 static start_fn mpi_start;
 static startall_fn mpi_startall;
-static test_fn mpi_test;
+test_fn mpi_test;
 static testall_fn mpi_testall;
-static Py_ssize_t request_size, status_size;
+Py_ssize_t request_size, status_size;
 static PyObject *mpi_exception; /* mpi4py.MPI.Exception */
 static PyObject *spread, *pack;  /* Python fallbacks of copy_list: spread(list, whole), pack(list, whole) */
-static PyTypeObject *request_type; /* mpi4py.MPI.Request */
-static Py_ssize_t handle_offset;   /* where a Request object keeps its MPI_Request handle */
-static int spinning;               /* a thread is in spin() (read and set holding the GIL) */
+PyTypeObject *request_type;
+Py_ssize_t handle_offset;
+int spinning;
 
 /* numpy's array struct, read where setup_array() was told (commlib.arrays._layout checks the offsets on
  * real arrays first): the data pointer, the dimensions, NPY_ARRAY_* flags and the dtype (its descr object).
  * Asking numpy through the buffer protocol costs ~70-100 ns an array; these reads cost nothing. Until
  * setup_array() is called (or if it never is) everything goes through the buffer protocol. */
-static PyTypeObject *array_type;
-static Py_ssize_t off_data, off_nd, off_dims, off_flags, off_descr;
-#define ARRAY_DATA(a) (*(char **)((char *)(a) + off_data))
-#define ARRAY_ND(a) (*(int *)((char *)(a) + off_nd))
-#define ARRAY_DIMS(a) (*(Py_ssize_t **)((char *)(a) + off_dims))
-#define ARRAY_FLAGS(a) (*(int *)((char *)(a) + off_flags))
-#define ARRAY_DESCR(a) (*(PyObject **)((char *)(a) + off_descr))
-#define C_CONTIGUOUS 0x0001
-#define ALIGNED 0x0100
-#define WRITEABLE 0x0400
-#define CARRAY (C_CONTIGUOUS | ALIGNED | WRITEABLE)
+PyTypeObject *array_type;
+Py_ssize_t off_data, off_nd, off_dims, off_flags, off_descr;
 
 /* Whether a is a plain numpy array of dtype descr, C-contiguous (and writable if asked), of len bytes
  * (itemsize: descr's). */
-static int
+int
 array_fits(PyObject *a, PyObject *descr, Py_ssize_t itemsize, Py_ssize_t len, int writable)
 {
     if (array_type == NULL || Py_TYPE(a) != array_type || ARRAY_DESCR(a) != descr)
@@ -88,7 +73,7 @@ typedef struct {
     PyObject *descr;                  /* the buffers' dtype, where raw and numpy's layout is known */
 } Runner;
 
-static int
+int
 raise_mpi(int code)
 {
     PyObject *exc = PyObject_CallFunction(mpi_exception, "i", code);
@@ -395,12 +380,24 @@ setup(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static double
+double
 monotonic(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+int
+test_until(void *handle, double seconds, int *flag, void *status)
+{
+    double due = monotonic() + seconds;
+    int code;
+    for (unsigned i = 1; !(code = mpi_test(handle, flag, status)) && !*flag; i++) {
+        if ((i & 15) == 0 && monotonic() >= due)
+            break;
+    }
+    return code;
 }
 
 /* spin(request, seconds): test an mpi4py Request in a loop, without the GIL, until it completes (True) or
@@ -424,11 +421,7 @@ spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     char status[256];
     int flag = 0, code = 0;
     Py_BEGIN_ALLOW_THREADS
-    double due = monotonic() + seconds;
-    for (unsigned i = 1; !(code = mpi_test(handle, &flag, status)) && !flag; i++) {
-        if ((i & 15) == 0 && monotonic() >= due)
-            break;
-    }
+    code = test_until(handle, seconds, &flag, status);
     Py_END_ALLOW_THREADS
     spinning = 0;
     if (code) {
@@ -897,6 +890,9 @@ static PyMethodDef module_methods[] = {
     {"span", span, METH_O,
      "span(parts) -> (root, root address or -1, root bytes, start, end) | False | None: whether the arrays lie back "
      "to back in one root array"},
+    {"setup_direct", setup_direct, METH_VARARGS,
+     "setup_direct((MPI_Iallreduce, _Ibcast, _Ireduce, _Iallgather, _Ireduce_scatter_block, _Ialltoall, _Igather, "
+     "_Iscatter), MPI_IN_PLACE, sizeof(MPI_Comm)): after setup(), for Direct"},
     {"spin", (PyCFunction)(void (*)(void))spin, METH_FASTCALL,
      "spin(request, seconds) -> bool | None: MPI_Test in a loop without the GIL until done (True) or seconds pass "
      "(False); None: another thread spins"},
@@ -914,14 +910,13 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__ready(void)
 {
-    if (PyType_Ready(&RunnerType) < 0)
+    if (PyType_Ready(&RunnerType) < 0 || PyType_Ready(&DirectType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&RunnerType);
-    if (PyModule_AddObject(m, "Runner", (PyObject *)&RunnerType) < 0) {
-        Py_DECREF(&RunnerType);
+    if (PyModule_AddObjectRef(m, "Runner", (PyObject *)&RunnerType) < 0 ||
+        PyModule_AddObjectRef(m, "Direct", (PyObject *)&DirectType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from commlib._ops import ReduceOp
 from commlib.arrays import LOW_PRECISION
+from commlib.backends._direct import Direct, DirectCache
 from commlib.backends._mpi import (
     F32,
     MOVE_TYPE,
@@ -44,7 +45,7 @@ from commlib.errors import CommTimeoutError
 
 __all__ = ["MpiBackend"]
 
-_AVG, _IN_PLACE = ReduceOp.AVG, MPI.IN_PLACE  # enum attribute access costs ~50 ns: keep them in globals
+_AVG, _SUM, _IN_PLACE = ReduceOp.AVG, ReduceOp.SUM, MPI.IN_PLACE  # enum attribute access costs ~50 ns: globals
 #: Blocking calls up to this many bytes run as persistent operations (COMMLIB_MPI_PERSISTENT_MAX; 0: never).
 #: 64 KiB: with the C runner, a persistent operation's two copies still beat the nonblocking call there
 #: (32-64 KiB on 2 ranks: 5-11% for all_reduce, 15-35% for broadcast, all_gather, reduce_scatter, send/recv,
@@ -80,6 +81,8 @@ class MpiBackend(Backend):
         # sends and receives apart: each rank makes its own, so they must not push collectives out of
         # ``persistent`` (whose ranks evict in step); one lookup table for the group layer
         self.p2p = PersistentCache(ready=self.persistent.ready)
+        # large blocking calls posted on the caller's arrays in C, in the same tables (None: not here)
+        self.direct = DirectCache(self.rank, self.size, self.persistent.sums, self.persistent.ready)
         # Every kind of collective on the base communicator until separate_kinds() gives each its own.
         self.dups: list[MPI.Intracomm] = []
         self.reduce_comm = self.reduce_scatter_comm = self.broadcast_comm = self.all_gather_comm = comm
@@ -280,11 +283,23 @@ class MpiBackend(Backend):
         buf = np.empty(shape, F32 if reduce and dtype in LOW_PRECISION else dtype)
         return buf, [buf, REDUCTIONS[dtype, ReduceOp.SUM][0] if reduce else MOVE_TYPE[dtype]]
 
+    def _direct(
+        self, key: tuple, comm: MPI.Intracomm, t: MPI.Datatype, op: MPI.Op | None, root: int, n: int, i: int, o: int
+    ) -> Direct | None:
+        """The Direct of ``key`` (see :mod:`commlib.backends._direct`); None where there is none."""
+        return self.direct.get(key) or self.direct.make(key, comm, t, op, root, n, i, o)
+
     def _all_reduce_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, timeout: float) -> bool:
-        if sendbuf is recvbuf and recvbuf.nbytes <= PERSISTENT_MAX:
-            key = ("all_reduce", recvbuf.shape, recvbuf.dtype, op)
+        nbytes, dtype = recvbuf.nbytes, recvbuf.dtype
+        if sendbuf is recvbuf and nbytes <= PERSISTENT_MAX:
+            key = ("all_reduce", recvbuf.shape, dtype, op)
             p = self.persistent.ops.get(key) or self._new_all_reduce(key, recvbuf, op)
             return p.run(recvbuf, recvbuf, timeout)
+        if sendbuf is recvbuf and op is _SUM and dtype not in LOW_PRECISION and nbytes < PIECES_FROM:
+            key = ("all_reduce", recvbuf.shape, dtype, op)
+            t, mop = REDUCTIONS[dtype, op]
+            if (d := self._direct(key, self.comm, t, mop, 0, recvbuf.size, nbytes, nbytes)) is not None:
+                return d.run(recvbuf, recvbuf, timeout)
         if sendbuf is not recvbuf or op is _AVG or recvbuf.dtype in LOW_PRECISION or recvbuf.nbytes >= PIECES_FROM:
             return self.all_reduce(sendbuf, recvbuf, op).wait(timeout)
         t, mop = REDUCTIONS[recvbuf.dtype, op]
@@ -296,6 +311,14 @@ class MpiBackend(Backend):
         return self.persistent.add(key, Persistent(req, scratch, scratch, self.size if op is _AVG else 0))
 
     def _reduce_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, root: int, timeout: float) -> bool:
+        if sendbuf is recvbuf and recvbuf.nbytes > PERSISTENT_MAX and op is _SUM and sendbuf.dtype not in LOW_PRECISION:
+            key, (t, mop), n = (
+                ("reduce", recvbuf.shape, recvbuf.dtype, op, root),
+                REDUCTIONS[recvbuf.dtype, op],
+                recvbuf.nbytes,
+            )
+            if (d := self._direct(key, self.reduce_comm, t, mop, root, recvbuf.size, n, n)) is not None:
+                return d.run(recvbuf, recvbuf, timeout)
         if sendbuf is not recvbuf or recvbuf.nbytes > PERSISTENT_MAX:
             return self.reduce(sendbuf, recvbuf, op, root).wait(timeout)
         key = ("reduce", recvbuf.shape, recvbuf.dtype, op, root)
@@ -311,6 +334,9 @@ class MpiBackend(Backend):
 
     def _broadcast_now(self, buf: np.ndarray, root: int, timeout: float) -> bool:
         if buf.nbytes > PERSISTENT_MAX:
+            key, n = ("broadcast", buf.shape, buf.dtype, root), buf.nbytes
+            if d := self._direct(key, self.broadcast_comm, MOVE_TYPE[buf.dtype], None, root, buf.size, n, n):
+                return d.run(buf, buf, timeout)
             req = self.broadcast_comm.Ibcast([buf, MOVE_TYPE[buf.dtype]], root)
             return settle(req, timeout, self.abandoned, buf.nbytes)
         key = ("broadcast", buf.shape, buf.dtype, root)
@@ -325,6 +351,11 @@ class MpiBackend(Backend):
     def _all_gather_now(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, timeout: float) -> bool:
         if recvbuf.nbytes > PERSISTENT_MAX:
             t = MOVE_TYPE[recvbuf.dtype]
+            if sendbuf is not None:
+                k = ("all_gather", sendbuf.shape, recvbuf.shape, recvbuf.dtype)
+                d = self._direct(k, self.all_gather_comm, t, None, 0, sendbuf.size, sendbuf.nbytes, recvbuf.nbytes)
+                if d is not None:
+                    return d.run(sendbuf, recvbuf, timeout)
             sb = _IN_PLACE if sendbuf is None else [sendbuf, t]
             return settle(self.all_gather_comm.Iallgather(sb, [recvbuf, t]), timeout, self.abandoned, recvbuf.nbytes)
         key = ("all_gather", None if sendbuf is None else sendbuf.shape, recvbuf.shape, recvbuf.dtype)
@@ -341,6 +372,14 @@ class MpiBackend(Backend):
 
     def _reduce_scatter_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, timeout: float) -> bool:
         if sendbuf.nbytes > PERSISTENT_MAX:
+            if op is _SUM and recvbuf.dtype not in LOW_PRECISION:
+                key, (t, mop) = (
+                    ("reduce_scatter", sendbuf.shape, recvbuf.shape, recvbuf.dtype, op),
+                    REDUCTIONS[recvbuf.dtype, op],
+                )
+                d = self._direct(key, self.reduce_scatter_comm, t, mop, 0, recvbuf.size, sendbuf.nbytes, recvbuf.nbytes)
+                if d is not None:
+                    return d.run(sendbuf, recvbuf, timeout)
             return self.reduce_scatter(sendbuf, recvbuf, op).wait(timeout)
         key = ("reduce_scatter", sendbuf.shape, recvbuf.shape, recvbuf.dtype, op)
         p = self.persistent.ops.get(key)
@@ -364,6 +403,9 @@ class MpiBackend(Backend):
             return x.run(sbuf, rbuf, timeout)
         if rbuf.nbytes > PERSISTENT_MAX:
             t, k = MOVE_TYPE[rbuf.dtype], rcounts[0]
+            key = ("all_to_all", sbuf.shape, rbuf.shape, rbuf.dtype)
+            if (d := self._direct(key, self.all_to_all_comm, t, None, 0, k, sbuf.nbytes, rbuf.nbytes)) is not None:
+                return d.run(sbuf, rbuf, timeout)
             req = self.all_to_all_comm.Ialltoall([sbuf, k, t], [rbuf, k, t])
             return settle(req, timeout, self.abandoned, sbuf.nbytes + rbuf.nbytes)
         key = ("all_to_all", sbuf.shape, rbuf.shape, rbuf.dtype)
@@ -376,6 +418,9 @@ class MpiBackend(Backend):
 
     def _gather_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray | None, root: int, timeout: float) -> bool:
         if sendbuf.nbytes * self.size > PERSISTENT_MAX:
+            key, t, n = ("gather", sendbuf.shape, sendbuf.dtype, root), MOVE_TYPE[sendbuf.dtype], sendbuf.nbytes
+            if (d := self._direct(key, self.gather_comm, t, None, root, sendbuf.size, n, n * self.size)) is not None:
+                return d.run(sendbuf, recvbuf, timeout)
             return self.gather(sendbuf, recvbuf, root).wait(timeout)
         key = ("gather", sendbuf.shape, sendbuf.dtype, root)
         p = self.persistent.ops.get(key) or self._new_rooted(key, sendbuf, root)
@@ -383,6 +428,9 @@ class MpiBackend(Backend):
 
     def _scatter_now(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, root: int, timeout: float) -> bool:
         if recvbuf.nbytes * self.size > PERSISTENT_MAX:
+            key, t, n = ("scatter", recvbuf.shape, recvbuf.dtype, root), MOVE_TYPE[recvbuf.dtype], recvbuf.nbytes
+            if (d := self._direct(key, self.scatter_comm, t, None, root, recvbuf.size, n * self.size, n)) is not None:
+                return d.run(sendbuf, recvbuf, timeout)
             return self.scatter(sendbuf, recvbuf, root).wait(timeout)
         key = ("scatter", recvbuf.shape, recvbuf.dtype, root)
         p = self.persistent.ops.get(key) or self._new_rooted(key, recvbuf, root)
@@ -415,8 +463,15 @@ class MpiBackend(Backend):
     def _point_now(self, sending: bool, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
         """A blocking send (``sending``) or receive: small ones, from their second sighting, as a persistent
         request per (shape, dtype, peer, tag), each rank its own (point to point: nothing to keep in step)."""
-        comm = self.comm
-        key = ("send" if sending else "recv", buf.shape, buf.dtype, peer, tag) if buf.nbytes <= PERSISTENT_MAX else ()
+        comm, n = self.comm, buf.nbytes
+        if n > PERSISTENT_MAX:  # large: from the first sighting, posted on the caller's array (no MPI object)
+            key = ("send" if sending else "recv", buf.shape, buf.dtype, peer, tag)
+            d = self.direct.get(key) or self.direct.make(
+                key, comm, MOVE_TYPE[buf.dtype], None, peer, buf.size, *((n, 0) if sending else (0, n)), tag
+            )
+            if d is not None:
+                return d.run(buf, None, timeout) if sending else d.run(None, buf, timeout)
+        key = ("send" if sending else "recv", buf.shape, buf.dtype, peer, tag) if n <= PERSISTENT_MAX else ()
         p = self.p2p.ops.get(key) if key else None
         if p is None and not (key and self.p2p.again(key)):
             req = (comm.Isend if sending else comm.Irecv)([buf, MOVE_TYPE[buf.dtype]], peer, tag)
@@ -460,6 +515,7 @@ class MpiBackend(Backend):
         """Free the persistent operations, the per-kind duplicates and the communicator (never the world's)."""
         self.persistent.close()
         self.p2p.close()
+        self.direct.close()
         for comm in self.dups:
             if comm != MPI.COMM_NULL:
                 comm.Free()
