@@ -1,7 +1,8 @@
 """Large blocking calls posted on the caller's arrays (``commlib.backends._direct``): every kind, from a shape's
 first call (the backend makes the Direct) and its second (the front door finds it), inputs that overlap the
 output and root lists that do not lie back to back (staged), send and recv, and a timeout (fenced, forgotten,
-never rerun). The same job without the C module (``COMMLIB_NATIVE=0``) must give the same results through the generic path."""
+never rerun). The same job without the C module (``COMMLIB_NATIVE=0``) must give the same results through the
+generic path."""
 
 from __future__ import annotations
 

@@ -174,6 +174,35 @@ post(Direct *self, const char *send, char *recv)
     }
 }
 
+/* The stage in place of a root's list (or whole array, at w) that is not back to back or overlaps this rank's
+ * own array: scatter's input packed into it now, gather's output spread from it at completion. NULL: error. */
+static char *
+staged(Direct *self, PyObject *list, char *w)
+{
+    int gather = self->kind == GATHER, is_list = PyList_CheckExact(list);
+    Py_ssize_t chunk = gather ? self->in_len : self->out_len, whole = gather ? self->out_len : self->in_len;
+    if (gather && !is_list) { /* the generic path stages such a call before it comes here */
+        PyErr_SetString(PyExc_ValueError, "Direct.go: gather's input lies inside its output");
+        return NULL;
+    }
+    char *st = stage(self, whole);
+    if (st == NULL || gather) {
+        self->spread = st != NULL;
+        return st;
+    }
+    if (!is_list) {
+        memcpy(st, w, (size_t)whole);
+        return st;
+    }
+    for (Py_ssize_t i = 0; i < self->size; i++) {
+        char *at = region(self, PyList_GET_ITEM(list, i), chunk, 0);
+        if (at == NULL)
+            return NULL;
+        memcpy(st + i * chunk, at, (size_t)chunk);
+    }
+    return st;
+}
+
 /* Where a run reads and writes (*send, *recv; NULL: none on this rank), staging what must be. -1: error set. */
 static int
 place(Direct *self, PyObject *inp, PyObject *out, char **send, char **recv)
@@ -193,52 +222,24 @@ place(Direct *self, PyObject *inp, PyObject *out, char **send, char **recv)
         }
         s = r;
         break;
-    case GATHER:
-        if ((s = region(self, inp, self->in_len, 0)) == NULL)
+    case GATHER: /* the root's list (or whole array) is the output; scatter: its input */
+    case SCATTER: {
+        int gather = self->kind == GATHER;
+        PyObject *mine = gather ? inp : out, *list = gather ? out : inp;
+        Py_ssize_t chunk = gather ? self->in_len : self->out_len, whole = gather ? self->out_len : self->in_len;
+        char *m = region(self, mine, chunk, !gather), *w = NULL;
+        if (m == NULL)
             return -1;
-        if (!root)
-            break;
-        r = PyList_CheckExact(out) ? list_region(self, out, self->in_len, 1, &packed)
-                                   : region(self, out, self->out_len, 1);
-        if (r == NULL)
-            return -1;
-        if (!packed || overlap(s, self->in_len, r, self->out_len)) { /* a whole array: the caller staged it */
-            if (!PyList_CheckExact(out)) {
-                PyErr_SetString(PyExc_ValueError, "Direct.go: gather's input lies inside its output");
+        if (root) {
+            w = PyList_CheckExact(list) ? list_region(self, list, chunk, gather, &packed)
+                                        : region(self, list, whole, gather);
+            if (w == NULL || ((!packed || overlap(m, chunk, w, whole)) && (w = staged(self, list, w)) == NULL))
                 return -1;
-            }
-            if ((r = stage(self, self->out_len)) == NULL)
-                return -1;
-            self->spread = 1;
         }
+        s = gather ? m : w;
+        r = gather ? w : m;
         break;
-    case SCATTER:
-        if ((r = region(self, out, self->out_len, 1)) == NULL)
-            return -1;
-        if (!root)
-            break;
-        s = PyList_CheckExact(inp) ? list_region(self, inp, self->out_len, 0, &packed)
-                                   : region(self, inp, self->in_len, 0);
-        if (s == NULL)
-            return -1;
-        if (!packed || overlap(s, self->in_len, r, self->out_len)) {
-            char *st = stage(self, self->in_len);
-            if (st == NULL)
-                return -1;
-            if (!PyList_CheckExact(inp)) { /* a whole array overlapping the output */
-                memcpy(st, s, (size_t)self->in_len);
-                s = st;
-                break;
-            }
-            for (Py_ssize_t i = 0; i < self->size; i++) {
-                char *at = region(self, PyList_GET_ITEM(inp, i), self->out_len, 0);
-                if (at == NULL)
-                    return -1;
-                memcpy(st + i * self->out_len, at, (size_t)self->out_len);
-            }
-            s = st;
-        }
-        break;
+    }
     case SEND:
         if ((s = region(self, inp, self->in_len, 0)) == NULL)
             return -1;
@@ -268,10 +269,8 @@ place(Direct *self, PyObject *inp, PyObject *out, char **send, char **recv)
 static PyObject *
 Direct_go(Direct *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "go(inp, out) takes 2 arguments");
+    if (go_arity(nargs) < 0)
         return NULL;
-    }
     if (self->state != IDLE) {
         PyErr_SetString(PyExc_RuntimeError, self->state == RUNNING ? "Direct.go: the previous run has not ended"
                                                                    : "Direct.go: abandoned after a timeout or error");

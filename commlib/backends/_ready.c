@@ -193,13 +193,20 @@ fast_copy(Runner *self, PyObject *arrays, char *at, Py_ssize_t len, int out)
     return 1;
 }
 
+int
+go_arity(Py_ssize_t nargs)
+{
+    if (nargs == 2)
+        return 0;
+    PyErr_SetString(PyExc_TypeError, "go(inp, out) takes 2 arguments");
+    return -1;
+}
+
 static PyObject *
 Runner_go(Runner *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "go(inp, out) takes 2 arguments");
+    if (go_arity(nargs) < 0)
         return NULL;
-    }
     PyObject *inp = args[0], *out = args[1];
     int code, flag = 0;
     if (inp != Py_None && self->send != Py_None && !fast_copy(self, inp, self->send_at, self->send_len, 0)) {

@@ -41,6 +41,8 @@ double monotonic(void);
 /* MPI_Test on handle in a loop until it completes (*flag set) or seconds pass; call without the GIL. MPI's
  * error code. */
 int test_until(void *handle, double seconds, int *flag, void *status);
+/* 0 where a go(inp, out) method got its 2 arguments; else -1 with a TypeError */
+int go_arity(Py_ssize_t nargs);
 /* whether a is a plain numpy array of dtype descr, C-contiguous (and writable if asked), of len bytes */
 int array_fits(PyObject *a, PyObject *descr, Py_ssize_t itemsize, Py_ssize_t len, int writable);
 
