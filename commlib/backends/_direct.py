@@ -27,8 +27,10 @@ from commlib.backends.base import SLOW_BYTES_PER_S, Resident
 __all__ = ["KINDS", "Direct", "DirectCache"]
 
 #: the kinds of call a Direct posts (the order of ``_direct.c``'s enum)
-KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
-KINDS += ("send", "recv")
+KINDS = (
+    *("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"),
+    *("send", "recv"),
+)
 
 
 def _handle(obj: Any) -> int:

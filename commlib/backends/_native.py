@@ -73,8 +73,10 @@ def _module() -> Any:
 
 
 #: the nonblocking collectives Direct posts, in the order of commlib.backends._direct.KINDS (MPI_I...)
-_POSTS = ("allreduce", "bcast", "reduce", "allgather", "reduce_scatter_block", "alltoall", "gather", "scatter")
-_POSTS += ("send", "recv")
+_POSTS = (
+    *("allreduce", "bcast", "reduce", "allgather", "reduce_scatter_block", "alltoall", "gather", "scatter"),
+    *("send", "recv"),
+)
 #: ``Direct(kind, comm, dtype, op, root, tag, rank, size, count, descr, itemsize, in_len, out_len, block)``: a large
 #: blocking call posted on the caller's arrays (see commlib.backends._direct); None where it cannot serve
 Direct: Any = None

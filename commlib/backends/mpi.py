@@ -465,9 +465,9 @@ class MpiBackend(Backend):
         request per (shape, dtype, peer, tag), each rank its own (point to point: nothing to keep in step)."""
         comm, n = self.comm, buf.nbytes
         if n > PERSISTENT_MAX:  # large: from the first sighting, posted on the caller's array (no MPI object)
-            key = ("send" if sending else "recv", buf.shape, buf.dtype, peer, tag)
-            d = self.direct.get(key) or self.direct.make(
-                key, comm, MOVE_TYPE[buf.dtype], None, peer, buf.size, *((n, 0) if sending else (0, n)), tag
+            big = ("send" if sending else "recv", buf.shape, buf.dtype, peer, tag)
+            d = self.direct.get(big) or self.direct.make(
+                big, comm, MOVE_TYPE[buf.dtype], None, peer, buf.size, *((n, 0) if sending else (0, n)), tag
             )
             if d is not None:
                 return d.run(buf, None, timeout) if sending else d.run(None, buf, timeout)
