@@ -64,7 +64,8 @@ def _module() -> Any:
     global Direct
     try:  # Direct posts MPI's nonblocking collectives itself: MPICH's ABI (int handles) and numpy's layout known
         posts = tuple(address(f"MPI_I{n}") for n in _POSTS)
-        _ready.setup_direct(posts, int(MPI.IN_PLACE), MPI._sizeof(MPI.Comm))
+        helpers = (address("MPI_Reduce_local"), address("MPI_Get_count"))
+        _ready.setup_direct(posts, helpers, int(MPI.IN_PLACE), MPI._sizeof(MPI.Comm), MPI.ERR_TRUNCATE)
         same = MPI._sizeof(MPI.Comm) == MPI._sizeof(MPI.Datatype) == MPI._sizeof(MPI.Op)
         Direct = _ready.Direct if same and layout is not None else None
     except (AttributeError, ValueError, TypeError):
@@ -77,8 +78,9 @@ _POSTS = (
     *("allreduce", "bcast", "reduce", "allgather", "reduce_scatter_block", "alltoall", "gather", "scatter"),
     *("send", "recv"),
 )
-#: ``Direct(kind, comm, dtype, op, root, tag, rank, size, count, descr, itemsize, in_len, out_len, block)``: a large
-#: blocking call posted on the caller's arrays (see commlib.backends._direct); None where it cannot serve
+#: ``Direct(kind, comm, dtype, op, root, tag, rank, size, count, descr, itemsize, in_len, out_len, block, own=0,
+#: sum=0, tags=0)``: a large blocking call posted on the caller's arrays (see commlib.backends._direct); None
+#: where it cannot serve
 Direct: Any = None
 
 

@@ -15,8 +15,8 @@
  * - span(parts): whether a list of arrays lies back to back in one buffer (commlib._collectives.packed).
  * - rooted / paired / plain: the group layer's ready path of the small calls (checks, lookup, numbering,
  *   flight recorder, run) in one call, mirroring commlib._collectives' Python functions.
- * A fifth part lives in _direct.c (Direct: a large blocking call posted on the caller's arrays); _ready.h
- * holds what the two files share.
+ * A fifth part lives in _direct.c (Direct: a large call run on the caller's arrays, as point-to-point steps
+ * of commlib's own or one MPI nonblocking call); _ready.h holds what the two files share.
  * numpy arrays are read through their struct where commlib.arrays._layout found (and checked) it.
  *
  * No MPI header and no link to MPI: MPI_Start/Startall/Test/Testall are the addresses in the MPI
@@ -28,7 +28,7 @@
 static start_fn mpi_start;
 static startall_fn mpi_startall;
 test_fn mpi_test;
-static testall_fn mpi_testall;
+testall_fn mpi_testall;
 Py_ssize_t request_size, status_size;
 static PyObject *mpi_exception; /* mpi4py.MPI.Exception */
 static PyObject *spread, *pack;  /* Python fallbacks of copy_list: spread(list, whole), pack(list, whole) */
@@ -326,17 +326,23 @@ Runner_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
+/* A tp_dealloc's body: drop the references (NULLs allowed), free the PyMem blocks, then the object. */
+void
+release(PyObject *self, PyObject *const *refs, int nrefs, void *const *blocks, int nblocks)
+{
+    for (int i = 0; i < nrefs; i++)
+        Py_XDECREF(refs[i]);
+    for (int i = 0; i < nblocks; i++)
+        PyMem_Free(blocks[i]);
+    Py_TYPE(self)->tp_free(self);
+}
+
 static void
 Runner_dealloc(Runner *self)
 {
-    Py_XDECREF(self->send);
-    Py_XDECREF(self->recv);
-    Py_XDECREF(self->own_dst);
-    Py_XDECREF(self->own_src);
-    Py_XDECREF(self->descr);
-    PyMem_Free(self->requests);
-    PyMem_Free(self->statuses);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    PyObject *refs[] = {self->send, self->recv, self->own_dst, self->own_src, self->descr};
+    void *blocks[] = {self->requests, self->statuses};
+    release((PyObject *)self, refs, 5, blocks, 2);
 }
 
 static PyMethodDef Runner_methods[] = {
@@ -899,7 +905,8 @@ static PyMethodDef module_methods[] = {
      "to back in one root array"},
     {"setup_direct", setup_direct, METH_VARARGS,
      "setup_direct((MPI_Iallreduce, _Ibcast, _Ireduce, _Iallgather, _Ireduce_scatter_block, _Ialltoall, _Igather, "
-     "_Iscatter), MPI_IN_PLACE, sizeof(MPI_Comm)): after setup(), for Direct"},
+     "_Iscatter, _Isend, _Irecv), (MPI_Reduce_local, MPI_Get_count), MPI_IN_PLACE, sizeof(MPI_Comm), "
+     "MPI_ERR_TRUNCATE): after setup(), for Direct"},
     {"spin", (PyCFunction)(void (*)(void))spin, METH_FASTCALL,
      "spin(request, seconds) -> bool | None: MPI_Test in a loop without the GIL until done (True) or seconds pass "
      "(False); None: another thread spins"},

@@ -6,6 +6,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 #include <time.h>
 
@@ -16,6 +17,7 @@ typedef int (*testall_fn)(int count, void *requests, int *flag, void *statuses);
 
 /* MPI, as set up by setup() (_ready.c) */
 extern test_fn mpi_test;
+extern testall_fn mpi_testall;
 extern Py_ssize_t request_size, status_size;
 extern PyTypeObject *request_type; /* mpi4py.MPI.Request */
 extern Py_ssize_t handle_offset;   /* where a Request object keeps its MPI_Request handle */
@@ -43,6 +45,8 @@ double monotonic(void);
 int test_until(void *handle, double seconds, int *flag, void *status);
 /* 0 where a go(inp, out) method got its 2 arguments; else -1 with a TypeError */
 int go_arity(Py_ssize_t nargs);
+/* a tp_dealloc's body: drop refs (NULLs allowed), PyMem_Free blocks, free self */
+void release(PyObject *self, PyObject *const *refs, int nrefs, void *const *blocks, int nblocks);
 /* whether a is a plain numpy array of dtype descr, C-contiguous (and writable if asked), of len bytes */
 int array_fits(PyObject *a, PyObject *descr, Py_ssize_t itemsize, Py_ssize_t len, int writable);
 

@@ -40,7 +40,7 @@ from commlib.backends._mpi import (
     settle,
 )
 from commlib.backends._waker import count_cores
-from commlib.backends.base import DONE, RESERVED_TAGS, Backend, Chained, Handle, Resident
+from commlib.backends.base import DONE, RESERVED_TAGS, TAG_COMPOSED, Backend, Chained, Handle, Resident
 from commlib.errors import CommTimeoutError
 
 __all__ = ["MpiBackend"]
@@ -83,6 +83,7 @@ class MpiBackend(Backend):
         self.p2p = PersistentCache(ready=self.persistent.ready)
         # large blocking calls posted on the caller's arrays in C, in the same tables (None: not here)
         self.direct = DirectCache(self.rank, self.size, self.persistent.sums, self.persistent.ready)
+        self.direct.steps = (comm, self.max_tag + TAG_COMPOSED, False)  # a communicator of their own: separate_kinds()
         # Every kind of collective on the base communicator until separate_kinds() gives each its own.
         self.dups: list[MPI.Intracomm] = []
         self.reduce_comm = self.reduce_scatter_comm = self.broadcast_comm = self.all_gather_comm = comm
@@ -114,12 +115,13 @@ class MpiBackend(Backend):
         rank in all_gather while the others are in all_reduce would be paired with them and
         return garbage. On separate communicators such calls never match: every rank waits,
         and times out naming its own call (``COMMLIB_DEBUG=DETAIL`` lists them all at once).
-        all_reduce and point-to-point keep the base communicator. Collective over it; no
+        all_reduce and point-to-point keep the base communicator; a ninth carries the
+        point-to-point steps of :data:`commlib.backends._direct.OWN`. Collective over it; no
         cost per call. ``COMMLIB_MPI_SEPARATE_KINDS=0`` turns it off.
         """
         if self.size == 1 or self.dups or os.environ.get("COMMLIB_MPI_SEPARATE_KINDS", "1") == "0":
             return
-        pending = [self.comm.Idup() for _ in range(8)]
+        pending = [self.comm.Idup() for _ in range(9)]
         deadline = time.monotonic() + timeout
         for _, req in pending:
             if not settle(req, max(deadline - time.monotonic(), 0.0), self.abandoned):
@@ -134,7 +136,9 @@ class MpiBackend(Backend):
             self.scatter_comm,
             self.all_to_all_comm,
             self.barrier_comm,
+            steps,
         ) = self.dups
+        self.direct.steps = (steps, 0, True)  # the point-to-point steps of _direct.OWN's kinds alone
 
     # -- asynchronous: one nonblocking call, one handle --------------------------------------------
     def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Handle:
@@ -144,6 +148,10 @@ class MpiBackend(Backend):
             scratch = sendbuf.astype(F32)
             low = Req(self.comm.Iallreduce(_IN_PLACE, [scratch, t], mop), scratch)
             return Chained(low, functools.partial(self._round, scratch, recvbuf, op))
+        if PERSISTENT_MAX < recvbuf.nbytes < PIECES_FROM:  # as the blocking call runs
+            key, n = ("all_reduce", recvbuf.shape, dtype, op), recvbuf.nbytes
+            if (h := self.direct.posted(key, sendbuf, recvbuf, self.comm, t, mop, 0, recvbuf.size, n, n)) is not None:
+                return Chained(h, functools.partial(average, recvbuf, self.size)) if op is _AVG else h
         parts = pieces(recvbuf) if sendbuf is recvbuf else None
         if parts is not None:  # AVG divides each piece as it completes, while it is in the cache
             finish = functools.partial(average, n=self.size) if op is _AVG else None
@@ -164,6 +172,12 @@ class MpiBackend(Backend):
             sb: Any = _IN_PLACE if mine else [scratch, t]
             req = Req(self.reduce_comm.Ireduce(sb, [scratch, t], mop, root), scratch)
             return Chained(req, functools.partial(self._round, scratch, recvbuf, op)) if mine else req
+        if recvbuf.nbytes > PERSISTENT_MAX:  # as the blocking call runs
+            key, n = ("reduce", recvbuf.shape, dtype, op, root), recvbuf.nbytes
+            if (
+                h := self.direct.posted(key, sendbuf, recvbuf, self.comm, t, mop, root, recvbuf.size, n, n)
+            ) is not None:
+                return Chained(h, functools.partial(average, recvbuf, self.size)) if op is _AVG and mine else h
         sb = _IN_PLACE if mine and sendbuf is recvbuf else [sendbuf, t]
         req = Req(self.reduce_comm.Ireduce(sb, [recvbuf, t], mop, root), (sendbuf, recvbuf))
         return Chained(req, functools.partial(average, recvbuf, self.size)) if op is _AVG and mine else req
@@ -175,6 +189,11 @@ class MpiBackend(Backend):
             send32, recv32 = sendbuf.astype(F32), np.empty(recvbuf.shape, F32)
             req = Req(self.reduce_scatter_comm.Ireduce_scatter_block([send32, t], [recv32, t], mop), (send32, recv32))
             return Chained(req, functools.partial(self._round, recv32, recvbuf, op))
+        if sendbuf.nbytes > PERSISTENT_MAX:  # as the blocking call runs
+            key = ("reduce_scatter", sendbuf.shape, recvbuf.shape, dtype, op)
+            args = (self.comm, t, mop, 0, recvbuf.size, sendbuf.nbytes, recvbuf.nbytes)
+            if (h := self.direct.posted(key, sendbuf, recvbuf, *args)) is not None:
+                return Chained(h, functools.partial(average, recvbuf, self.size)) if op is _AVG else h
         req = Req(self.reduce_scatter_comm.Ireduce_scatter_block([sendbuf, t], [recvbuf, t], mop), (sendbuf, recvbuf))
         return Chained(req, functools.partial(average, recvbuf, self.size)) if op is _AVG else req
 
@@ -184,10 +203,20 @@ class MpiBackend(Backend):
         out[...] = scratch.reshape(out.shape)  # the one rounding to float16/bfloat16
 
     def broadcast(self, buf: np.ndarray, root: int) -> Handle:
+        if buf.nbytes > PERSISTENT_MAX:  # as the blocking call runs
+            key, t, n = ("broadcast", buf.shape, buf.dtype, root), MOVE_TYPE[buf.dtype], buf.nbytes
+            if (h := self.direct.posted(key, buf, buf, self.comm, t, None, root, buf.size, n, n)) is not None:
+                return h
         return Req(self.broadcast_comm.Ibcast([buf, MOVE_TYPE[buf.dtype]], root), buf)
 
     def all_gather(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray) -> Handle:
         t = MOVE_TYPE[recvbuf.dtype]
+        if recvbuf.nbytes > PERSISTENT_MAX:  # as the blocking call runs
+            k = ("all_gather", None if sendbuf is None else sendbuf.shape, recvbuf.shape, recvbuf.dtype)
+            n, whole = recvbuf.size // self.size, recvbuf.nbytes
+            h = self.direct.posted(k, sendbuf, recvbuf, self.comm, t, None, 0, n, whole // self.size, whole)
+            if h is not None:
+                return h
         sb = _IN_PLACE if sendbuf is None else [sendbuf, t]
         return Req(self.all_gather_comm.Iallgather(sb, [recvbuf, t]), (sendbuf, recvbuf))
 
@@ -195,6 +224,11 @@ class MpiBackend(Backend):
         if not self.native:
             return super().gather(sendbuf, recvbuf, root)
         t = MOVE_TYPE[sendbuf.dtype]
+        if sendbuf.nbytes * self.size > PERSISTENT_MAX:  # as the blocking call runs
+            k, n = ("gather", sendbuf.shape, sendbuf.dtype, root), sendbuf.nbytes
+            h = self.direct.posted(k, sendbuf, recvbuf, self.comm, t, None, root, sendbuf.size, n, n * self.size)
+            if h is not None:
+                return h
         rb = [recvbuf, t] if recvbuf is not None else None
         return Req(self.gather_comm.Igather([sendbuf, t], rb, root), (sendbuf, recvbuf))
 
@@ -202,6 +236,11 @@ class MpiBackend(Backend):
         if not self.native:
             return super().scatter(sendbuf, recvbuf, root)
         t = MOVE_TYPE[recvbuf.dtype]
+        if recvbuf.nbytes * self.size > PERSISTENT_MAX:  # as the blocking call runs
+            k, n = ("scatter", recvbuf.shape, recvbuf.dtype, root), recvbuf.nbytes
+            h = self.direct.posted(k, sendbuf, recvbuf, self.comm, t, None, root, recvbuf.size, n * self.size, n)
+            if h is not None:
+                return h
         sb = [sendbuf, t] if sendbuf is not None else None
         return Req(self.scatter_comm.Iscatter(sb, [recvbuf, t], root), (sendbuf, recvbuf))
 
@@ -218,6 +257,10 @@ class MpiBackend(Backend):
         if not _even(send_counts, recv_counts):
             return self._exchange(sendbuf, send_counts, recvbuf, recv_counts)
         t, k = MOVE_TYPE[recvbuf.dtype], recv_counts[0]
+        if recvbuf.nbytes > PERSISTENT_MAX:  # as the blocking call runs
+            key, n = ("all_to_all", sendbuf.shape, recvbuf.shape, recvbuf.dtype), recvbuf.nbytes
+            if (h := self.direct.posted(key, sendbuf, recvbuf, self.comm, t, None, 0, k, n, n)) is not None:
+                return h
         return Req(self.all_to_all_comm.Ialltoall([sendbuf, k, t], [recvbuf, k, t]), (sendbuf, recvbuf))
 
     def _new_exchange(
@@ -295,11 +338,11 @@ class MpiBackend(Backend):
             key = ("all_reduce", recvbuf.shape, dtype, op)
             p = self.persistent.ops.get(key) or self._new_all_reduce(key, recvbuf, op)
             return p.run(recvbuf, recvbuf, timeout)
-        if sendbuf is recvbuf and op is _SUM and dtype not in LOW_PRECISION and nbytes < PIECES_FROM:
+        if PERSISTENT_MAX < nbytes < PIECES_FROM and op is not _AVG and dtype not in LOW_PRECISION:
             key = ("all_reduce", recvbuf.shape, dtype, op)
             t, mop = REDUCTIONS[dtype, op]
             if (d := self._direct(key, self.comm, t, mop, 0, recvbuf.size, nbytes, nbytes)) is not None:
-                return d.run(recvbuf, recvbuf, timeout)
+                return d.run(sendbuf, recvbuf, timeout)
         if sendbuf is not recvbuf or op is _AVG or recvbuf.dtype in LOW_PRECISION or recvbuf.nbytes >= PIECES_FROM:
             return self.all_reduce(sendbuf, recvbuf, op).wait(timeout)
         t, mop = REDUCTIONS[recvbuf.dtype, op]
@@ -311,7 +354,12 @@ class MpiBackend(Backend):
         return self.persistent.add(key, Persistent(req, scratch, scratch, self.size if op is _AVG else 0))
 
     def _reduce_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, root: int, timeout: float) -> bool:
-        if sendbuf is recvbuf and recvbuf.nbytes > PERSISTENT_MAX and op is _SUM and sendbuf.dtype not in LOW_PRECISION:
+        if (
+            sendbuf is recvbuf
+            and recvbuf.nbytes > PERSISTENT_MAX
+            and op is not _AVG
+            and sendbuf.dtype not in LOW_PRECISION
+        ):
             key, (t, mop), n = (
                 ("reduce", recvbuf.shape, recvbuf.dtype, op, root),
                 REDUCTIONS[recvbuf.dtype, op],
@@ -350,12 +398,11 @@ class MpiBackend(Backend):
 
     def _all_gather_now(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, timeout: float) -> bool:
         if recvbuf.nbytes > PERSISTENT_MAX:
-            t = MOVE_TYPE[recvbuf.dtype]
-            if sendbuf is not None:
-                k = ("all_gather", sendbuf.shape, recvbuf.shape, recvbuf.dtype)
-                d = self._direct(k, self.all_gather_comm, t, None, 0, sendbuf.size, sendbuf.nbytes, recvbuf.nbytes)
-                if d is not None:
-                    return d.run(sendbuf, recvbuf, timeout)
+            t, n, whole = MOVE_TYPE[recvbuf.dtype], recvbuf.size // self.size, recvbuf.nbytes
+            k = ("all_gather", None if sendbuf is None else sendbuf.shape, recvbuf.shape, recvbuf.dtype)
+            d = self._direct(k, self.all_gather_comm, t, None, 0, n, whole // self.size, whole)
+            if d is not None:
+                return d.run(sendbuf, recvbuf, timeout)
             sb = _IN_PLACE if sendbuf is None else [sendbuf, t]
             return settle(self.all_gather_comm.Iallgather(sb, [recvbuf, t]), timeout, self.abandoned, recvbuf.nbytes)
         key = ("all_gather", None if sendbuf is None else sendbuf.shape, recvbuf.shape, recvbuf.dtype)
@@ -372,7 +419,7 @@ class MpiBackend(Backend):
 
     def _reduce_scatter_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, timeout: float) -> bool:
         if sendbuf.nbytes > PERSISTENT_MAX:
-            if op is _SUM and recvbuf.dtype not in LOW_PRECISION:
+            if op is not _AVG and recvbuf.dtype not in LOW_PRECISION:
                 key, (t, mop) = (
                     ("reduce_scatter", sendbuf.shape, recvbuf.shape, recvbuf.dtype, op),
                     REDUCTIONS[recvbuf.dtype, op],
