@@ -82,6 +82,19 @@ def own_steps_job(mismatch: bool) -> dict:
         (sum(ramp(r, np.float64, K // n * n) for r in range(n)) / n)[me * (K // n) :][: K // n],
     )
 
+    # an uneven all_to_all: rank i sends (j + 1) * (i + 1) * 2000 elements to rank j (none to itself on rank
+    # 1: an empty block); blocking twice (the second through the front door), then async on rank 0 only
+    rows = lambda i, j: 0 if i == j == 1 else (j + 1) * (i + 1) * 2000  # noqa: E731
+    sends, recvs = [rows(me, j) for j in range(n)], [rows(i, me) for i in range(n)]
+    blocks = np.concatenate([np.full(sends[j], 10 * me + j, np.int64) for j in range(n)])
+    want = np.concatenate([np.full(recvs[i], 10 * i + me, np.int64) for i in range(n)])
+    for call in ("blocking #0", "blocking #1", "async on rank 0"):
+        got = np.full(sum(recvs), -1, np.int64)
+        work = dist.all_to_all_single(got, blocks, recvs, sends, async_op=call.startswith("async") and me == 0)
+        if work is not None:
+            work.wait()
+        same(f"all_to_all uneven {call}", got, want)
+
     # one rank asynchronous, the others blocking: the same steps on every rank
     for mode in ("async on rank 0", "async on the others"):
         wait = (me == 0) == (mode == "async on rank 0")

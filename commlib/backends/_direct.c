@@ -82,6 +82,8 @@ typedef struct {
     int *want;                    /* the element count each receive of the step expects */
     char *send, *recv;            /* the run's input and output (NULL: none on this rank) */
     PyObject *held;               /* (inp, out) while running */
+    int *split;                   /* an uneven all_to_all: each rank's send count, offset, receive count, offset
+                                   * (4 rows of size, in elements); NULL: even blocks of count */
     char *stage;                  /* scratch for staged inputs and outputs, stage_len bytes */
     Py_ssize_t stage_len;
 } Direct;
@@ -397,9 +399,12 @@ own_post(Direct *self)
     }
     if (self->kind == REDUCE_SCATTER && self->step == 2)
         return 0;
+    int *sp = self->split; /* an uneven all_to_all: counts and offsets */
     for (int k = 1; k < p && !code; k++) {
         int from = (me - k + p) % p;
-        if (self->kind == ALL_GATHER || self->kind == ALL_TO_ALL) /* all_to_all: in_len / size a block */
+        if (sp != NULL)
+            code = own_recv(self, r + sp[3 * p + from] * z, sp[2 * p + from], from);
+        else if (self->kind == ALL_GATHER || self->kind == ALL_TO_ALL) /* all_to_all: in_len / size a block */
             code = own_recv(self, r + from * (len / (self->kind == ALL_TO_ALL ? p : 1)), self->count, from);
         else if (self->step == 1) /* the others' copies of my piece */
             code = own_recv(self, slot(self, k), piece_len(self, me), from);
@@ -408,7 +413,9 @@ own_post(Direct *self)
     }
     for (int k = 1; k < p && !code; k++) {
         int to = (me + k) % p;
-        if (self->kind == ALL_GATHER)
+        if (sp != NULL)
+            code = own_send(self, self->send + sp[p + to] * z, sp[to], to);
+        else if (self->kind == ALL_GATHER)
             code = own_send(self, self->send, self->count, to);
         else if (self->kind == ALL_TO_ALL)
             code = own_send(self, self->send + to * (len / p), self->count, to);
@@ -526,11 +533,14 @@ own_chunk(Direct *self)
         from = from == NULL ? NULL : from + me * self->out_len;
         len = self->out_len;
         break;
-    case ALL_TO_ALL:
-        len /= self->size;
-        to += me * len;
-        from += me * len;
+    case ALL_TO_ALL: {
+        Py_ssize_t z = self->itemsize, p = self->size;
+        int *sp = self->split;
+        len = sp ? sp[me] * z : len / p;
+        to += sp ? sp[3 * p + me] * z : me * len;
+        from += sp ? sp[p + me] * z : me * len;
         break;
+    }
     default:
         return;
     }
@@ -695,15 +705,46 @@ static void
 Direct_dealloc(Direct *self)
 {
     PyObject *refs[] = {self->descr, self->held};
-    void *blocks[] = {self->stage, self->reqs};
-    release((PyObject *)self, refs, 2, blocks, 2);
+    void *blocks[] = {self->stage, self->reqs, self->split};
+    release((PyObject *)self, refs, 2, blocks, 3);
+}
+
+/* An uneven all_to_all's split from counts (the send counts, then the receive counts, size of each, in
+ * elements; own steps only): self->split. -1: error set. */
+static int
+uneven(Direct *self, PyObject *counts)
+{
+    Py_ssize_t p = self->size;
+    if (!self->own || self->kind != ALL_TO_ALL || !PyTuple_CheckExact(counts) || PyTuple_GET_SIZE(counts) != 2 * p) {
+        PyErr_SetString(PyExc_ValueError, "Direct: counts are an own all_to_all's 2 * size element counts");
+        return -1;
+    }
+    if ((self->split = PyMem_Calloc(4 * (size_t)p, sizeof(int))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    long long at[2] = {0, 0}; /* the send and the receive offsets so far */
+    for (Py_ssize_t i = 0; i < 2 * p; i++) {
+        long c = PyLong_AsLong(PyTuple_GET_ITEM(counts, i));
+        int side = i >= p;
+        if ((c == -1 && PyErr_Occurred()) || c < 0 || c > INT32_MAX || at[side] + c > INT32_MAX) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "Direct: counts must be ints from 0 to 2**31 - 1, summing as much");
+            return -1;
+        }
+        self->split[2 * side * p + i % p] = (int)c;
+        self->split[(2 * side + 1) * p + i % p] = (int)at[side];
+        at[side] += c;
+    }
+    return 0;
 }
 
 static PyObject *
 Direct_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"kind", "comm", "dtype", "op", "root", "tag", "rank", "size", "count", "descr",
-                            "itemsize", "in_len", "out_len", "block", "own", "sum", "tags", NULL};
+                            "itemsize", "in_len", "out_len", "block", "own", "sum", "tags", "counts", NULL};
+    PyObject *counts = Py_None;
     if (i_allreduce == NULL || request_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "commlib.backends._ready: setup() and setup_direct() were not called");
         return NULL;
@@ -711,10 +752,10 @@ Direct_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Direct *self = (Direct *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiiiiiiiOnnnd|iii", names, &self->kind, &self->comm, &self->dtype,
-                                     &self->op, &self->root, &self->tag, &self->rank, &self->size, &self->count,
-                                     &self->descr, &self->itemsize, &self->in_len, &self->out_len, &self->block,
-                                     &self->own, &self->sum, &self->tags)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiiiiiiiiOnnnd|iiiO", names, &self->kind, &self->comm,
+                                     &self->dtype, &self->op, &self->root, &self->tag, &self->rank, &self->size,
+                                     &self->count, &self->descr, &self->itemsize, &self->in_len, &self->out_len,
+                                     &self->block, &self->own, &self->sum, &self->tags, &counts)) {
         self->descr = NULL; /* borrowed, if it got that far */
         Py_DECREF(self);
         return NULL;
@@ -739,6 +780,10 @@ Direct_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     self->stats = self->reqs + slots * (size_t)request_size;
     self->want = (int *)(self->stats + slots * (size_t)status_size); /* 4-byte handles and statuses: aligned */
+    if (counts != Py_None && uneven(self, counts) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
 }
 
@@ -760,7 +805,7 @@ PyTypeObject DirectType = {
     .tp_dealloc = (destructor)Direct_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Direct(kind, comm, dtype, op, root, tag, rank, size, count, descr, itemsize, in_len, out_len, block, "
-              "own=0, sum=0, tags=0): a large blocking call posted on the caller's arrays",
+              "own=0, sum=0, tags=0, counts=None): a large call run on the caller's arrays",
     .tp_methods = Direct_methods,
     .tp_new = Direct_new,
 };

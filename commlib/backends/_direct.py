@@ -185,27 +185,31 @@ class DirectCache:
         tag: int = 0,
         *,
         keep: bool = True,
+        counts: tuple[int, ...] | None = None,
     ) -> Direct | None:
         """The Direct for ``key`` (a persistent operation's key: kind first), made now; None where it cannot be.
 
         ``root``: the root, or a send's or receive's peer (with its ``tag``); ``count``: MPI's count argument;
         ``in_len``/``out_len``: the bytes of the input and the output (a root list: all of it; none: 0);
-        ``keep``: False for one asynchronous call (in no table)."""
+        ``keep``: False for one asynchronous call (in no table). An uneven all_to_all (kind ``exchange``): its
+        ``counts`` (send counts, then receive counts, in elements), in the messages of the Python path
+        (``MpiBackend._pairwise``: ``comm`` and ``tag`` as given)."""
         if _native.Direct is None:
             return None
         kind = key[0]
-        dtype: np.dtype = key[3] if kind in ("all_gather", "reduce_scatter", "all_to_all") else key[2]
+        dtype: np.dtype = key[3] if kind in ("all_gather", "reduce_scatter", "all_to_all", "exchange") else key[2]
         nbytes = max(in_len, out_len)
         block = min(nbytes / SLOW_BYTES_PER_S, _BLOCK_MAX) if nbytes >= BLOCK_FROM > 0 and blocker() else 0.0
         op_handle = 0 if op is None else _handle(op)
-        own, summed, tags = self.owns(kind), 0, False
-        if own:
+        own, summed, tags = self.owns(kind) or kind == "exchange", 0, False
+        if own and kind != "exchange":
             comm, tag, tags = self.steps  # type: ignore[misc]
             tag += 4 * KINDS.index(kind) if tags else 0
             summed = _SUMS.get(f"{dtype.kind}{dtype.itemsize}", 0) if op == MPI.SUM else 0
         c = _native.Direct(
-            KINDS.index(kind), _handle(comm), _handle(mpi_type), op_handle, root, tag, self.rank, self.size,
-            count, dtype, dtype.itemsize, in_len, out_len, block, own, summed, tags,
+            KINDS.index("all_to_all" if kind == "exchange" else kind), _handle(comm), _handle(mpi_type), op_handle,
+            root, tag, self.rank, self.size, count, dtype, dtype.itemsize, in_len, out_len, block, own, summed, tags,
+            counts,
         )  # fmt: skip
         lookup = _lookup(key)
         d = Direct(c, dtype, lookup[3] if lookup else count, nbytes, block > 0)

@@ -444,6 +444,14 @@ class MpiBackend(Backend):
             small = sbuf.nbytes + rbuf.nbytes <= PERSISTENT_MAX and sbuf.ndim and rbuf.ndim and sbuf.size
             xkey = ("exchange", sbuf.shape, rbuf.shape, rbuf.dtype, tuple(scounts), tuple(rcounts)) if small else ()
             x = self.p2p.ops.get(xkey) if xkey else None
+            if x is None and sbuf.nbytes + rbuf.nbytes > PERSISTENT_MAX:  # the same messages from C (DirectCache.make)
+                big = ("exchange", sbuf.shape, rbuf.shape, rbuf.dtype, tuple(scounts), tuple(rcounts))
+                d = self.direct.get(big) or self.direct.make(
+                    big, self.all_to_all_comm, MOVE_TYPE[rbuf.dtype], None, 0, 0, sbuf.nbytes, rbuf.nbytes,
+                    _TAG_EXCHANGE, counts=(*scounts, *rcounts),
+                )  # fmt: skip
+                if d is not None:
+                    return d.run(sbuf, rbuf, timeout)
             if x is None and not (xkey and self.p2p.again(xkey)):
                 return self._exchange(sbuf, scounts, rbuf, rcounts).wait(timeout)
             x = x or self._new_exchange(xkey, sbuf, scounts, rbuf, rcounts)
