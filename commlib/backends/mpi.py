@@ -22,7 +22,8 @@ from mpi4py import MPI
 
 from commlib._ops import ReduceOp
 from commlib.arrays import LOW_PRECISION
-from commlib.backends._direct import Direct, DirectCache
+from commlib.backends import _native
+from commlib.backends._direct import OWN, Direct, DirectCache
 from commlib.backends._mpi import (
     F32,
     MOVE_TYPE,
@@ -46,11 +47,16 @@ from commlib.errors import CommTimeoutError
 __all__ = ["MpiBackend"]
 
 _AVG, _SUM, _IN_PLACE = ReduceOp.AVG, ReduceOp.SUM, MPI.IN_PLACE  # enum attribute access costs ~50 ns: globals
-#: Blocking calls up to this many bytes run as persistent operations (COMMLIB_MPI_PERSISTENT_MAX; 0: never).
-#: 64 KiB: with the C runner, a persistent operation's two copies still beat the nonblocking call there
-#: (32-64 KiB on 2 ranks: 5-11% for all_reduce, 15-35% for broadcast, all_gather, reduce_scatter, send/recv,
-#: all_to_all, ~2x for gather and scatter); from 128 KiB all_reduce is faster without them.
-PERSISTENT_MAX = int(os.environ.get("COMMLIB_MPI_PERSISTENT_MAX", str(64 << 10)))
+#: Blocking calls up to this many bytes run as persistent operations (COMMLIB_MPI_PERSISTENT_MAX; 0: never);
+#: above it, a Direct (commlib.backends._direct). 4 KiB where the Direct takes the own steps: from 8 KiB they
+#: beat a persistent operation's two copies for every kind (2 ranks, 8-64 KiB: 0.80-1.24x of the raw call
+#: against 1.02-1.57x), below they do not for all_reduce and reduce (512 B-2 KiB: 1.16-1.49x against
+#: 0.75-1.16x). 64 KiB otherwise: a persistent operation still beats MPI's nonblocking call there (32-64 KiB:
+#: 5-11% for all_reduce, 15-35% for broadcast, all_gather, reduce_scatter, send/recv, all_to_all, ~2x for
+#: gather and scatter). The same on every rank (one install, one environment).
+PERSISTENT_MAX = int(
+    os.environ.get("COMMLIB_MPI_PERSISTENT_MAX", str((4 if _native.Direct is not None and OWN else 64) << 10))
+)
 PIECES_FROM = 4 * PIECE_BYTES if PIECE_BYTES else 1 << 62  # see _mpi.pieces
 
 
