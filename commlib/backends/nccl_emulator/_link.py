@@ -21,6 +21,7 @@ import contextlib
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,11 @@ _REST = 0.01  # seconds the receiver thread leaves the socket to waiters after t
 _SLICE = 0.05  # longest sleep of a waiting reader between looks at whether it should stop
 _ENDED = "closed the connection without destroying its communicator (exited or aborted?)"
 
+
+#: The GIL switch interval while an emulated communicator is open (seconds; CPython's default: 5 ms). A reader
+#: thread moving a large message retakes the GIL after each socket read; a stream or host thread waiting for
+#: it is only let in after the interval, which made 5-8 ms calls of a few hundred microseconds' work.
+_SWITCH = 0.0005
 
 class _Ended(Exception):
     """The connection is over (EOF, an error, or a protocol violation); ``why`` says how, for the mailbox."""
@@ -85,6 +91,8 @@ class Link:
         self._wanted = 0  # threads blocked in Mailbox.wait on this peer, or units read by receivers: no rest
         self._ended: str | None = None  # how the connection ended, once it did
         self._linger: threading.Timer | None = None
+        if sys.getswitchinterval() > _SWITCH:
+            sys.setswitchinterval(_SWITCH)
         self._thread = threading.Thread(target=self._receive_loop, name=f"nccl-emulator-rx-{peer}", daemon=True)
         self._thread.start()
 

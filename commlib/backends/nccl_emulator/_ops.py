@@ -287,21 +287,40 @@ class Reduce(_Collective):
 
 
 class Broadcast(_Collective):
-    """ncclBroadcast (ncclBcast when src is dst): the root sends to everybody."""
+    """ncclBroadcast (ncclBcast when src is dst): the root sends to everybody.
+
+    Above the eager size each receiver acknowledges (a byte), and the root completes once all have: NCCL's
+    root cannot run ahead of its peers either (its buffers are credits), and a root streaming call after
+    call into the receivers' reader threads starved their other threads of the GIL (5-8 ms calls)."""
 
     def __init__(self, comm: Channel, seq: int, src: np.ndarray, dst: np.ndarray, root: int) -> None:
         super().__init__(comm, seq)
         self.src, self.dst, self.root = src, dst, root
+        self.multi_phase = max(src.nbytes, dst.nbytes) > _EAGER_BYTES and comm.size > 1
         self._sized(src, dst)
+        self._acks: dict[int, np.ndarray] = {}
 
     def post(self) -> None:
         if self.comm.rank != self.root:
             self._recv(self.root, self._key(), self.dst)
             return
+        if self.multi_phase:
+            self._acks = {p: np.empty(1, np.uint8) for p in self._peers()}
+            for p, ack in self._acks.items():
+                self._recv(p, self._key(1), ack)
         for p in self._peers():
             self._send(p, self._key(), self.src)
         if not _same_memory(self.src, self.dst):
             np.copyto(self.dst, self.src)
+
+    def complete(self, deadline: float) -> None:
+        self._wait(0, deadline)
+        if self.multi_phase and self.comm.rank != self.root:
+            self._send(self.root, self._key(1), _ACK)
+        self._wait(1, deadline)
+
+
+_ACK = np.ones(1, np.uint8)
 
 
 class AllGather(_Collective):
