@@ -298,16 +298,13 @@ class Broadcast(_Collective):
         self.src, self.dst, self.root = src, dst, root
         self.multi_phase = max(src.nbytes, dst.nbytes) > _EAGER_BYTES and comm.size > 1
         self._sized(src, dst)
-        self._acks: dict[int, np.ndarray] = {}
 
     def post(self) -> None:
         if self.comm.rank != self.root:
             self._recv(self.root, self._key(), self.dst)
             return
-        if self.multi_phase:
-            self._acks = {p: np.empty(1, np.uint8) for p in self._peers()}
-            for p, ack in self._acks.items():
-                self._recv(p, self._key(1), ack)
+        for p in self._peers() if self.multi_phase else ():
+            self._recv(p, self._key(1), np.empty(1, np.uint8))  # the posted view keeps it
         for p in self._peers():
             self._send(p, self._key(), self.src)
         if not _same_memory(self.src, self.dst):
