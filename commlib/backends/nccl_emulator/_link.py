@@ -59,6 +59,7 @@ _ENDED = "closed the connection without destroying its communicator (exited or a
 #: it is only let in after the interval, which made 5-8 ms calls of a few hundred microseconds' work.
 _SWITCH = 0.0005
 
+
 class _Ended(Exception):
     """The connection is over (EOF, an error, or a protocol violation); ``why`` says how, for the mailbox."""
 
