@@ -1,5 +1,6 @@
 """Two "nodes" on one machine: network namespaces joined by a veth pair, the launcher run in each
-with --nnodes 2, and the job's collectives checked across them (root only; skipped otherwise)."""
+with --nnodes 2, and the job's collectives checked across them, small and large (root only; skipped
+otherwise)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,17 @@ g = dist.new_group([1, 2])  # one rank from each node
 y = np.array([float(me)])
 if me in (1, 2):
     dist.broadcast(y, src=2, group=g)
-print(f"node-job rank {me}/{n} node {dist.env.get_node_size()} sum {x[0]:g} gathered {out.tolist()} bcast {y[0]:g}")
+big = np.arange(300_000, dtype=np.float32) + me  # large calls: commlib's own point-to-point steps, across nodes
+dist.all_reduce(big)
+chunks = np.zeros(n * 50_000, np.float32)
+dist.all_gather_into_tensor(chunks, np.full(50_000, me, np.float32))
+mine = np.zeros(50_000, np.float32)
+dist.reduce_scatter_tensor(mine, np.repeat(np.arange(n, dtype=np.float32), 50_000) + me)
+large = np.array_equal(big, n * np.arange(300_000, dtype=np.float32) + sum(range(n)))
+large = large and np.array_equal(chunks, np.repeat(np.arange(n, dtype=np.float32), 50_000))
+large = large and np.array_equal(mine, np.full(50_000, n * me + sum(range(n)), np.float32))
+print(f"node-job rank {me}/{n} node {dist.env.get_node_size()} sum {x[0]:g} gathered {out.tolist()} bcast {y[0]:g}"
+      f" large {large}")
 """
 
 
@@ -52,7 +63,8 @@ def test_launcher_joins_two_nodes(two_nodes: tuple[str, str], tmp_path: Path) ->
     env = {**os.environ, "COMMLIB_STORE_TOKEN": "shared-secret", "COMMLIB_TIMEOUT": "60"}
     lines = _run_two_nodes(script, "10.77.7.1", 29640, [["ip", "netns", "exec", ns] for ns in two_nodes], env)
     assert lines == [
-        f"node-job rank {r}/4 node 2 sum 10 gathered [0, 10, 20, 30] bcast {2 if r in (1, 2) else r}" for r in range(4)
+        f"node-job rank {r}/4 node 2 sum 10 gathered [0, 10, 20, 30] bcast {2 if r in (1, 2) else r} large True"
+        for r in range(4)
     ], lines
 
 
