@@ -10,6 +10,7 @@ torch tensors they are torch's own functions (the single-process result).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,15 +41,29 @@ __all__ = [
 
 
 def _polymorphic(torch_fn: Any) -> Any:
-    """Local torch tensors go to ``torch_fn`` (the single-process result), global ones to the decorated operator."""
+    """Local torch tensors go to ``torch_fn`` (the single-process result), global ones to the decorated operator.
+
+    Where torch's signature can be read (its Python functions; not builtins such as ``linear``), it is
+    the operator's public signature, and the operator gets torch's arguments by name: written once, by
+    torch, so positions and defaults agree with torch's and a misspelt argument is torch's ``TypeError``.
+    """
+    try:
+        torch_sig: inspect.Signature | None = inspect.signature(torch_fn)
+    except ValueError:  # a builtin: the operator's own signature (torch's names) serves
+        torch_sig = None
 
     def decorate(fn: Any) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if any(isinstance(a, GlobalTensor) for a in (*args, *kwargs.values())):
+            if not any(isinstance(a, GlobalTensor) for a in (*args, *kwargs.values())):
+                return torch_fn(*args, **kwargs)
+            if torch_sig is None:
                 return fn(*args, **kwargs)
-            return torch_fn(*args, **kwargs)
+            return fn(**torch_sig.bind(*args, **kwargs).arguments)
 
+        if torch_sig is not None:  # torch's names, positions and defaults (its annotations say torch.Tensor)
+            plain = [p.replace(annotation=p.empty) for p in torch_sig.parameters.values()]
+            call.__signature__ = torch_sig.replace(parameters=plain, return_annotation=torch_sig.empty)
         return call
 
     return decorate
@@ -131,11 +146,9 @@ def layer_norm(
 
 
 @_polymorphic(F.embedding)
-def embedding(
-    input: GlobalTensor, weight: GlobalTensor, padding_idx: Any = None, *args: Any, **kw: Any
-) -> GlobalTensor:
+def embedding(input: GlobalTensor, weight: GlobalTensor, padding_idx: Any = None, **kw: Any) -> GlobalTensor:
     """``weight[input]``: ids split with weight broadcast, or weight's features split (S(1))."""
-    if args or any(kw.get(k) for k in ("max_norm", "scale_grad_by_freq", "sparse")):
+    if any(kw.get(k) for k in ("max_norm", "scale_grad_by_freq", "sparse")):
         raise _fail("embedding", "max_norm, scale_grad_by_freq and sparse are not supported on global tensors")
     out_shape = (*input.shape, weight.shape[1])
     rule = sig.embedding(input.ndim)
@@ -190,8 +203,8 @@ def _unsupported(call: str, **options: Any) -> None:
         raise _fail(call, f"not supported on global tensors: {bad}")
 
 
-@_polymorphic(F.nll_loss)
-def nll_loss(
+def _nll(
+    call: str,
     input: GlobalTensor,
     target: GlobalTensor,
     weight: Any = None,
@@ -199,11 +212,19 @@ def nll_loss(
     ignore_index: int = -100,
     reduce: Any = None,
     reduction: str = "mean",
+    *,
+    logits: bool = False,
 ) -> GlobalTensor:
-    """Negative log likelihood of class indices ``target`` under log-probabilities ``input`` (..., C)."""
-    _unsupported("nll_loss", weight=weight is not None, size_average=size_average, reduce=reduce)
+    """Negative log likelihood of class indices ``target`` under log-probabilities ``input`` (..., C),
+    or under ``log_softmax(input)`` with ``logits``: ``nll_loss``'s arguments, written once for it and
+    for ``cross_entropy``, all checked before any collective runs."""
+    _unsupported(call, weight=weight is not None, size_average=size_average, reduce=reduce)
     if tuple(input.shape[:-1]) != tuple(target.shape):
-        raise _fail("nll_loss", f"target {target.shape} must be input {input.shape} without its class dimension")
+        raise _fail(call, f"target {target.shape} must be input {input.shape} without its class dimension")
+    if reduction not in ("mean", "sum", "none"):
+        raise _fail(call, f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if logits:
+        input = log_softmax(input, -1)
 
     def fn(logp: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         keep = t != ignore_index
@@ -211,13 +232,13 @@ def nll_loss(
         return picked * keep
 
     rule = sig.pick(target.ndim)
-    picked = _ops.apply("nll_loss", (input, target), rule, fn, target.shape, input._dtype, ("input", "target"))
+    picked = _ops.apply(call, (input, target), rule, fn, target.shape, input._dtype, ("input", "target"))
     if reduction != "mean":
-        return _reduce("nll_loss", picked, reduction)
+        return _reduce(call, picked, reduction)
     # torch's mean is over the targets that are not ignored
     axes = tuple(range(target.ndim))
     count = _ops.apply(
-        "nll_loss",
+        call,
         (target,),
         sig.reduction(target.ndim, axes, False, "sum"),
         lambda t: (t != ignore_index).sum().to(picked.dtype),
@@ -228,23 +249,22 @@ def nll_loss(
     return _ops.OPERATORS["div"](_ops.sum(picked), count)
 
 
+@_polymorphic(F.nll_loss)
+def nll_loss(input: GlobalTensor, target: GlobalTensor, **options: Any) -> GlobalTensor:
+    """Negative log likelihood of class indices ``target`` under log-probabilities ``input`` (..., C)."""
+    return _nll("nll_loss", input, target, **options)
+
+
 @_polymorphic(F.cross_entropy)
 def cross_entropy(
-    input: GlobalTensor,
-    target: GlobalTensor,
-    weight: Any = None,
-    size_average: Any = None,
-    ignore_index: int = -100,
-    reduce: Any = None,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
+    input: GlobalTensor, target: GlobalTensor, label_smoothing: float = 0.0, **options: Any
 ) -> GlobalTensor:
-    """log_softmax over the class dimension (the last; inputs are (N, C) or (C,)), then :func:`nll_loss`."""
-    _unsupported("cross_entropy", weight=weight is not None, size_average=size_average, reduce=reduce)
+    """log_softmax over the class dimension (the last; inputs are (N, C) or (C,)), then :func:`nll_loss`
+    with the same ``options`` (``ignore_index``, ``reduction``; torch's others are refused)."""
     _unsupported("cross_entropy", label_smoothing=label_smoothing)
     if input.ndim > 2:
         raise _fail("cross_entropy", f"input must be (N, C) or (C,), got {input.shape}: reshape to (-1, C)")
-    return nll_loss(log_softmax(input, -1), target, ignore_index=ignore_index, reduction=reduction)
+    return _nll("cross_entropy", input, target, **options, logits=True)
 
 
 @_polymorphic(F.mse_loss)
