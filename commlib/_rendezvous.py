@@ -139,6 +139,8 @@ def _joined_world(name: str, info: LaunchInfo, timeout: float, store: Store) -> 
 
         try:
             joined = mpi.join_singletons(store, info.rank, info.world_size, timeout)
+        except CommTimeoutError:
+            raise
         except RuntimeError as e:
             raise BackendUnavailableError(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
         joined.prepare(timeout)

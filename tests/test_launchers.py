@@ -136,3 +136,52 @@ def test_a_rank_whose_store_nobody_serves_is_named() -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert "rank 1 of 2 (RANK and WORLD_SIZE): could not reach the rendezvous store at 127.0.0.1:" in last, last
     assert "is rank 0 running, with the same address?" in last
+
+
+DIES_WHILE_JOINING = """
+import os, sys
+import commlib.backends._mpi_world as w
+
+def dies(local, node, nnodes, rank, store, timeout, unit="node"):
+    # reaches the store as every rank does, then dies: before connecting, or connected but before greeting
+    store.set(f"commlib/join/{node}/0", b"1")
+    store.wait([f"commlib/join/{k}/0" for k in range(nnodes)], timeout)
+    if sys.argv[1] == "connected":
+        local.comm.Connect(store.get("commlib/join/port").decode(), root=0)
+    os._exit(0)
+
+w.join_nodes = dies  # this process is the fault; the others run commlib unchanged
+import commlib
+commlib.init_process_group("mpi", timeout=4)
+"""
+
+
+@pytest.mark.parametrize("when", ["before connecting", "connected"])
+def test_a_rank_that_dies_while_the_mpi_processes_join_is_a_timeout(when: str, tmp_path: Path) -> None:
+    """Three plain processes on the mpi backend; rank 2 reaches the store, then dies before its MPI connect (or
+    right after it): ranks 0 and 1 end with CommTimeoutError within the timeout instead of waiting in MPI for good."""
+    dying = tmp_path / "dying.py"
+    dying.write_text(DIES_WHILE_JOINING)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_"))}
+    base |= {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    survivor = [sys.executable, "-c", "import commlib; commlib.init_process_group('mpi', timeout=4)"]
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(survivor if r < 2 else [sys.executable, str(dying), when.split()[0]],
+                         env={**base, "RANK": str(r)}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in range(3)
+    ]  # fmt: skip
+    try:
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    took = time.monotonic() - start
+    for r in (0, 1):
+        assert procs[r].returncode != 0, errs[r][-2000:]
+        last = errs[r].strip().splitlines()[-1]
+        assert last.startswith(f"commlib.errors.CommTimeoutError: init_process_group: rank {r} "), errs[r][-2000:]
+        assert "joining the MPI processes: " in last, last
+    if when == "before connecting":  # accepted ranks 0 and 1 wait for rank 2 together, and name it
+        assert all("rank 2 did not connect within 4 s" in e for e in errs[:2]), errs
+    assert took < 30, took  # generous for a loaded machine: the point is "not a hang"
