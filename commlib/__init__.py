@@ -49,6 +49,7 @@ from commlib._world import (
     is_torchelastic_launched,
     new_group,
     new_subgroups,
+    new_subgroups_by_enumeration,
 )
 from commlib.errors import (
     BackendUnavailableError,
@@ -106,6 +107,7 @@ __all__ = [
     "monitored_barrier",
     "new_group",
     "new_subgroups",
+    "new_subgroups_by_enumeration",
     "recv",
     "recv_object_list",
     "reduce",

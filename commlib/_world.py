@@ -30,6 +30,7 @@ __all__ = [
     "launch_info",
     "new_group",
     "new_subgroups",
+    "new_subgroups_by_enumeration",
     "resolve",
 ]
 
@@ -255,19 +256,19 @@ def _group_name(members: list[int], local: bool) -> str:
     return f"group{members}" + (f"#{twins}" if twins else "")
 
 
-def _check_ranks(world: ProcessGroup, ranks: Any) -> list[int]:
+def _check_ranks(world: ProcessGroup, ranks: Any, call: str = "new_group") -> list[int]:
     if ranks is None:
         return list(range(world.size))
     if not isinstance(ranks, (list, tuple, range)):
-        raise TypeError(f"{world.label}new_group: ranks must be a list of ints, got {ranks!r}")
+        raise TypeError(f"{world.label}{call}: ranks must be a list of ints, got {ranks!r}")
     out = list(ranks)
     bad = [r for r in out if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world.size]
     if bad:
-        raise ValueError(f"{world.label}new_group: ranks must be in [0, {world.size}), got {bad} in {out}")
+        raise ValueError(f"{world.label}{call}: ranks must be in [0, {world.size}), got {bad} in {out}")
     if len(set(out)) != len(out):
-        raise ValueError(f"{world.label}new_group: ranks must not repeat, got {out}")
+        raise ValueError(f"{world.label}{call}: ranks must not repeat, got {out}")
     if not out:
-        raise ValueError(f"{world.label}new_group: ranks must not be empty")
+        raise ValueError(f"{world.label}{call}: ranks must not be empty")
     return out
 
 
@@ -331,26 +332,66 @@ def new_subgroups(
     backend: str | None = None,
     pg_options: Any = None,
     group_desc: str | None = None,
-) -> tuple[ProcessGroup, list[ProcessGroup]]:
-    """Split the default group into groups of ``group_size`` consecutive ranks; every rank calls it.
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """Split ``group`` (default: the default group) into groups of ``group_size`` consecutive ranks, in its
+    rank order; every rank of the default group calls it (each group is a :func:`new_group`).
 
-    ``group_size=None``: one group per node (the launcher's ranks per node). Returns this rank's
-    group and all of them, as torch's.
+    ``group_size=None``: one group per node (the launcher's ranks per node). Returns this rank's group
+    (None on a rank outside ``group``) and all of them, as torch's.
     """
     world, _ = resolve(None, "new_subgroups")
-    if group is not None and group is not world:
-        raise ValueError(f"{world.label}new_subgroups: group must be None (the default group), got {group!r}")
+    if group is not None and not isinstance(group, ProcessGroup):
+        raise TypeError(f"{world.label}new_subgroups: group must be a group or None, got {group!r}")
+    ranks = list(world.ranks if group is None else group.ranks)
     size = launch_info().local_world_size if group_size is None else group_size
-    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= world.size or world.size % size:
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= len(ranks) or len(ranks) % size:
         raise ValueError(
-            f"{world.label}new_subgroups: group_size must be a positive int that divides the world size "
-            f"({world.size}), got {group_size!r}" + (f" (ranks per node: {size})" if group_size is None else "")
+            f"{world.label}new_subgroups: group_size must be a positive int that divides the "
+            f"{'world' if group is None else 'group'} size ({len(ranks)}), got {group_size!r}"
+            + (f" (ranks per node: {size})" if group_size is None else "")
         )
-    subgroups = []
-    for first in range(0, world.size, size):
-        desc = None if group_desc is None else f"{group_desc}_{first // size}"
-        subgroups.append(new_group(list(range(first, first + size)), timeout, backend, pg_options, group_desc=desc))
-    return subgroups[world.rank // size], subgroups
+    lists = [ranks[first : first + size] for first in range(0, len(ranks), size)]
+    return _enumerated(lists, timeout, backend, pg_options, group_desc)
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: list[list[int]],
+    timeout: Any = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """A group for each list of global ranks in ``ranks_per_subgroup_list``; no rank may be in two, a rank
+    may be in none. Every rank of the default group calls it (each group is a :func:`new_group`); every
+    list is checked before any group is made. Returns this rank's group (None if it is in none) and all
+    of them, as torch's.
+    """
+    call = "new_subgroups_by_enumeration"
+    world, _ = resolve(None, call)
+    if not isinstance(ranks_per_subgroup_list, (list, tuple)) or not ranks_per_subgroup_list:
+        raise ValueError(
+            f"{world.label}{call}: ranks_per_subgroup_list must be a non-empty list of lists of ranks, "
+            f"got {ranks_per_subgroup_list!r}"
+        )
+    lists = [_check_ranks(world, ranks, call) for ranks in ranks_per_subgroup_list]
+    seen: dict[int, list[int]] = {}
+    for ranks in lists:
+        for r in ranks:
+            if r in seen:
+                raise ValueError(f"{world.label}{call}: rank {r} is in two subgroups, {seen[r]} and {ranks}")
+            seen[r] = ranks
+    return _enumerated(lists, timeout, backend, pg_options, group_desc)
+
+
+def _enumerated(
+    lists: list[list[int]], timeout: Any, backend: str | None, pg_options: Any, desc: str | None
+) -> tuple[ProcessGroup | None, list[ProcessGroup]]:
+    """A :func:`new_group` per list (named ``desc_i`` when ``desc`` is given); this rank's, and all."""
+    groups = [
+        new_group(ranks, timeout, backend, pg_options, group_desc=None if desc is None else f"{desc}_{i}")
+        for i, ranks in enumerate(lists)
+    ]
+    return next((g for g in groups if g.rank >= 0), None), groups
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:

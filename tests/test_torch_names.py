@@ -1,6 +1,7 @@
 """torch.distributed names beyond the reference list that torch scripts use, so that switching the import
 keeps them running: ``group.WORLD``/``GroupMember.WORLD``, ``send_object_list``/``recv_object_list``,
-``new_subgroups``, ``get_node_local_rank``, ``is_torchelastic_launched``, ``is_backend_available``.
+``new_subgroups``, ``new_subgroups_by_enumeration``, ``get_node_local_rank``, ``is_torchelastic_launched``,
+``is_backend_available``.
 
 Each job returns ``{scenario: problem}`` (empty when every scenario held), so a failure names them.
 """
@@ -21,6 +22,7 @@ NEW_NAMES = [
     "is_backend_available",
     "is_torchelastic_launched",
     "new_subgroups",
+    "new_subgroups_by_enumeration",
     "recv_object_list",
     "send_object_list",
 ]
@@ -117,8 +119,43 @@ def names_job() -> dict:
         problems["new_subgroups(3) on 4 ranks"] = "no error"
     except ValueError as e:
         _check(problems, "the group_size error names the world size", "(4)" in str(e), True)
+    _enumerations(problems, dist, r)
     dist.destroy_process_group()
     return problems
+
+
+def _enumerations(problems: dict, dist: Any, r: int) -> None:
+    """new_subgroups_by_enumeration, and new_subgroups of a group: a rank in no subgroup gets None."""
+    import numpy as np
+
+    cur, groups = dist.new_subgroups_by_enumeration([[2, 0], [3]])
+    _check(problems, "by_enumeration: groups", [dist.get_process_group_ranks(g) for g in groups], [[0, 2], [3]])
+    _check(
+        problems, "by_enumeration: this rank's", None if cur is None else cur.ranks, {1: None, 3: [3]}.get(r, [0, 2])
+    )
+    if cur is not None:
+        t = np.full(1, float(r), np.float32)
+        dist.all_reduce(t, group=cur)
+        _check(problems, "by_enumeration: all_reduce in it", t.tolist(), [3.0] if r == 3 else [2.0])
+    try:
+        dist.new_subgroups_by_enumeration([[0, 1], [1, 2]])
+        problems["a rank in two subgroups"] = "no error"
+    except ValueError as e:
+        _check(
+            problems,
+            "the overlap error names the rank and both lists",
+            "rank 1 is in two subgroups, [0, 1] and [1, 2]" in str(e),
+            True,
+        )
+    g = dist.new_group([1, 2])  # every rank still in step after the refused call: no group was made
+    cur, groups = dist.new_subgroups(1, group=g)
+    _check(problems, "new_subgroups of a group", [dist.get_process_group_ranks(s) for s in groups], [[1], [2]])
+    _check(
+        problems,
+        "new_subgroups of a group: this rank's",
+        None if cur is None else cur.ranks,
+        [r] if r in (1, 2) else None,
+    )
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
