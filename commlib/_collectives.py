@@ -212,12 +212,15 @@ rooted_c: Any = None if _front is None else _front.rooted
 paired_c: Any = None if _front is None else _front.paired
 #: ``plain_c(call, group)``: the same for a call without arrays (barrier).
 plain_c: Any = None if _front is None else _front.plain
+#: ``peer_c(call, tensor, peer, group, tag, group_peer)``: a blocking send or recv (neither numbered nor
+#: recorded), as :func:`commlib._p2p._ran_ready`'s Python fallback.
+peer_c: Any = None if _front is None else _front.peer
 
 
 def ready_op(g: ProcessGroup, table: str, key: tuple) -> Any:
     """The ready operation of ``table`` for ``key`` when ``g`` may run it now (else None: the generic path).
-    The Python path's lookup; the C front doors (:data:`rooted_c`, :data:`paired_c`, :data:`plain_c`) do it
-    themselves, and send/recv inline it."""
+    The Python path's lookup; the C front doors (:data:`rooted_c`, :data:`paired_c`, :data:`plain_c`,
+    :data:`peer_c`) do it themselves, and send/recv's Python fallback inlines it."""
     ready = g.ready
     return None if ready is None or g.pending else ready[table].get(key)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import ready_rest
+from commlib._collectives import peer_c, ready_rest
 from commlib._group import ProcessGroup, Work
 from commlib._world import _state as _world
 from commlib._world import label, resolve
@@ -45,9 +45,10 @@ def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
     return tag
 
 
-def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_peer: Any) -> bool:
+def _ran_ready_py(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_peer: Any) -> bool:
     """Run a blocking send or recv of a numpy array through the backend's ready operation, if it has one
-    (a peer given as a global rank); False: the generic path."""
+    (a peer given as a global rank); False: the generic path. The C front door (``peer_c``) does the same
+    where the C module was built."""
     g = _world.world if group is None else group
     sending = call == "send"
     if (
@@ -70,6 +71,9 @@ def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_pe
         ready_rest(g, call, p, out, 0, -1, None)
         return True
     return False
+
+
+_ran_ready = peer_c or _ran_ready_py
 
 
 def _send_args(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> tuple:

@@ -303,9 +303,9 @@ def test_the_c_runner_is_built_where_a_compiler_is() -> None:
 
 
 def front_door_job() -> dict:
-    """The C front doors of the small calls (commlib._collectives.rooted_c, paired_c): which calls they take
-    (and run, numbered and recorded) and which they leave to the generic path, as ready_rooted, _plain and
-    ready_paired decide."""
+    """The C front doors of the small calls (commlib._collectives.rooted_c, paired_c, plain_c, peer_c): which
+    calls they take (and run, numbered and recorded) and which they leave to the generic path, as ready_rooted,
+    _plain, ready_paired and _p2p's fallback decide."""
     import commlib as dist
     from commlib import _collectives
     from commlib._diagnostics import flight
@@ -445,9 +445,47 @@ def front_door_job() -> dict:
     check("barrier taken", _collectives.plain_c("barrier", None), True)
     check("barrier numbered", g.seq, seq + 1)
     check("barrier: not a group", _collectives.plain_c("barrier", "world"), False)
+    _peer_door(dist, _collectives.peer_c, g, me, check)
     dist.barrier()
     dist.destroy_process_group()
     return problems
+
+
+def _peer_door(dist, peer, g, me: int, check) -> None:
+    """send and recv (_collectives.peer_c, ranks 0 and 1): taken from the second sighting (neither numbered
+    nor recorded), anything else left to the generic path."""
+    if me > 1:
+        return
+    other, buf = 1 - me, np.zeros(3, np.float32)
+    for _ in range(2):  # the generic path makes the ready operations (small sends: at the second sighting)
+        for call in ("send", "recv") if me == 0 else ("recv", "send"):
+            getattr(dist, call)(buf, other, tag=5)
+    seq = g.seq
+    for call in ("send", "recv") if me == 0 else ("recv", "send"):
+        buf[:] = me + 7
+        check(f"{call} taken", peer(call, buf, other, None, 5, None), True)
+        if call == "recv":
+            check("recv result", buf.tolist(), [float(other + 7)] * 3)
+    check("send and recv are not numbered", g.seq, seq)
+    strided, frozen = np.zeros(6, np.float32)[::2], np.zeros(3, np.float32)
+    frozen.flags.writeable = False
+    for name, args in {
+        "a numpy integer peer": ("send", buf, np.int64(other), None, 5, None),
+        "a bool peer": ("send", buf, True, None, 5, None),
+        "group_peer": ("send", buf, None, None, 5, other),
+        "another tag": ("send", buf, other, None, 6, None),
+        "a bool tag": ("send", buf, other, None, True, None),
+        "a strided tensor": ("send", strided, other, None, 5, None),
+        "a read-only tensor to receive into": ("recv", frozen, other, None, 5, None),
+        "another shape": ("recv", np.zeros(4, np.float32), other, None, 5, None),
+        "a list": ("send", [1.0, 2.0, 3.0], other, None, 5, None),
+        "not a group": ("send", buf, other, "world", 5, None),
+    }.items():
+        check(f"peer: {name}", peer(*args), False)
+    check("peer: a read-only tensor to send", peer("send", frozen, other, None, 5, None) if me == 0 else True, True)
+    if me == 1:
+        dist.recv(buf, 0, tag=5)
+        check("the read-only tensor arrived", buf.tolist(), [0.0] * 3)
 
 
 @pytest.mark.skipif(not _c_runner_built(), reason="commlib.backends._ready was not built (no C compiler)")

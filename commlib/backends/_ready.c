@@ -13,7 +13,7 @@
  *   (commlib/backends/_mpi.py) do the same where this module was not built.
  * - spin(request, seconds): a large wait, MPI_Test in a loop without the GIL until done or a deadline.
  * - span(parts): whether a list of arrays lies back to back in one buffer (commlib._collectives.packed).
- * - rooted / paired / plain: the group layer's ready path of the small calls (checks, lookup, numbering,
+ * - rooted / paired / plain / peer: the group layer's ready path of the small calls (checks, lookup, numbering,
  *   flight recorder, run) in one call, mirroring commlib._collectives' Python functions.
  * A fifth part lives in _direct.c (Direct: a large call run on the caller's arrays, as point-to-point steps
  * of commlib's own or one MPI nonblocking call); _ready.h holds what the two files share.
@@ -549,7 +549,7 @@ span(PyObject *module, PyObject *parts)
  * the group layer's objects; COMMLIB_NATIVE=0, no build or another numpy layout: the Python functions. */
 static PyObject *fr_state, *fr_starts, *fr_ends, *fr_slots, *fr_rest;
 static PyTypeObject *fr_group_type;
-static PyObject *fr_one; /* 1 */
+static PyObject *fr_one, *fr_zero, *fr_minus_one; /* 1, 0, -1 */
 static PyObject *s_world, *s_ready, *s_pending, *s_rank, *s_size, *s_seq, *s_shape, *s_dtype, *s_count, *s_go;
 
 static PyObject *
@@ -587,6 +587,27 @@ plain_list(PyObject *items, int is_root, Py_ssize_t size, PyObject *like, int wr
     return verdict;
 }
 
+/* After p.go() gave result (a new reference: False, not complete; NULL, it raised): the group layer's rest
+ * (g, call, p, out, seq, slot, exception or None), which waits, or fences the group and raises. Its result. */
+static PyObject *
+rest(PyObject *result, PyObject *g, PyObject *call, PyObject *p, PyObject *out, PyObject *seq, PyObject *slot)
+{
+    PyObject *exc = NULL;
+    if (result == NULL) { /* go raised: rest() raises it as the group's failure */
+        PyObject *type, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        if (exc != NULL && tb != NULL)
+            PyException_SetTraceback(exc, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+    }
+    Py_XDECREF(result);
+    result = PyObject_CallFunctionObjArgs(fr_rest, g, call, p, out, seq, slot, exc ? exc : Py_None, NULL);
+    Py_XDECREF(exc);
+    return result;
+}
+
 /* run_ready: number the call, record its start, p.go(inp, out), record its end; rest() where go did not
  * complete or raised (it waits, or fences the group and raises). A new reference to None, or NULL. */
 static PyObject *
@@ -610,7 +631,6 @@ run_recorded(PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *
         goto fail;
     PyObject *pair[2] = {inp, out};
     result = PyObject_Vectorcall(go, pair, 2, NULL);
-    PyObject *exc = NULL;
     if (result == Py_True) {
         Py_CLEAR(t);
         if ((t = now_ns()) == NULL || PyObject_SetItem(fr_ends, slot, t) < 0)
@@ -618,20 +638,8 @@ run_recorded(PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *
         Py_INCREF(Py_None);
         Py_SETREF(result, Py_None);
     }
-    else {
-        if (result == NULL) { /* go raised: rest() raises it as the group's failure */
-            PyObject *type, *tb;
-            PyErr_Fetch(&type, &exc, &tb);
-            PyErr_NormalizeException(&type, &exc, &tb);
-            if (exc != NULL && tb != NULL)
-                PyException_SetTraceback(exc, tb);
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
-        }
-        Py_XDECREF(result);
-        result = PyObject_CallFunctionObjArgs(fr_rest, g, call, p, out, seq, slot, exc ? exc : Py_None, NULL);
-        Py_XDECREF(exc);
-    }
+    else
+        result = rest(result, g, call, p, out, seq, slot);
     goto done;
 fail:
     Py_CLEAR(result);
@@ -829,6 +837,49 @@ plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return answer(verdict, g, args[0], p, Py_None, Py_None);
 }
 
+/* peer(call, tensor, peer, group, tag, group_peer): a blocking send or recv (call "send" or "recv") of a numpy
+ * array to or from a global rank through the group's ready operation, as commlib._p2p's Python fallback does
+ * (point to point: neither numbered nor recorded): True ran it, False the generic path. */
+static PyObject *
+peer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6 || fr_rest == NULL || !PyUnicode_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "peer(call, tensor, peer, group, tag, group_peer), after setup_rooted()");
+        return NULL;
+    }
+    PyObject *call = args[0], *tensor = args[1], *who = args[2], *tag = args[4];
+    int sending = PyUnicode_CompareWithASCIIString(call, "send") == 0;
+    int want = sending ? C_CONTIGUOUS : CARRAY; /* a send only reads its tensor */
+    if (Py_TYPE(tensor) != array_type || !PyLong_CheckExact(who) || !PyLong_CheckExact(tag) || args[5] != Py_None ||
+        (ARRAY_FLAGS(tensor) & want) != want)
+        Py_RETURN_FALSE;
+    PyObject *g, *ops, *shape = NULL, *key = NULL, *p = NULL, *result = NULL;
+    int verdict = group_ops(args[3], call, &g, &ops);
+    if (verdict == 1) {
+        verdict = -1;
+        if ((shape = PyObject_GetAttr(tensor, s_shape)) != NULL &&
+            (key = PyTuple_Pack(4, shape, ARRAY_DESCR(tensor), who, tag)) != NULL)
+            verdict = (p = lookup(ops, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
+    }
+    Py_XDECREF(ops);
+    Py_XDECREF(shape);
+    Py_XDECREF(key);
+    PyObject *go = verdict == 1 ? PyObject_GetAttr(p, s_go) : NULL;
+    if (go != NULL) {
+        PyObject *out = sending ? Py_None : tensor, *pair[2] = {sending ? tensor : Py_None, out};
+        result = PyObject_Vectorcall(go, pair, 2, NULL);
+        Py_DECREF(go);
+        if (result != Py_True) /* not complete, or go raised */
+            result = rest(result, g, call, p, out, fr_zero, fr_minus_one);
+        Py_XDECREF(result);
+    }
+    verdict = verdict == 1 && result == NULL ? -1 : verdict;
+    Py_XDECREF(g);
+    Py_XDECREF(p);
+    return verdict < 0 ? NULL : PyBool_FromLong(verdict);
+}
+
 static PyObject *
 setup_rooted(PyObject *module, PyObject *args)
 {
@@ -842,8 +893,11 @@ setup_rooted(PyObject *module, PyObject *args)
     }
     const char *names[] = {"world", "ready", "pending", "rank", "size", "seq", "shape", "dtype", "count", "go"};
     PyObject **slots_of[] = {&s_world, &s_ready, &s_pending, &s_rank, &s_size, &s_seq, &s_shape, &s_dtype, &s_count, &s_go};
-    if (fr_one == NULL && (fr_one = PyLong_FromLong(1)) == NULL)
-        return NULL;
+    PyObject **numbers[] = {&fr_one, &fr_zero, &fr_minus_one};
+    for (int i = 0; i < 3; i++) {
+        if (*numbers[i] == NULL && (*numbers[i] = PyLong_FromLong(1 - i)) == NULL)
+            return NULL;
+    }
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         if (*slots_of[i] == NULL && (*slots_of[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
@@ -896,6 +950,9 @@ static PyMethodDef module_methods[] = {
      "all_gather, reduce_scatter or all_to_all through the group's ready operation (see the source)"},
     {"plain", (PyCFunction)(void (*)(void))plain, METH_FASTCALL,
      "plain(call, group) -> bool: a barrier through the group's ready operation (see the source)"},
+    {"peer", (PyCFunction)(void (*)(void))peer, METH_FASTCALL,
+     "peer(call, tensor, peer, group, tag, group_peer) -> bool: a blocking send or recv through the group's ready "
+     "operation (see the source)"},
     {"setup_rooted", setup_rooted, METH_VARARGS,
      "setup_rooted(world state, ProcessGroup, ring starts, ring ends, ring slots, rest), after setup_array()"},
     {"setup_array", setup_array, METH_VARARGS,
@@ -916,7 +973,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_ready",
-    .m_doc = "commlib's hot paths in C: Runner, spin, span, the front doors rooted/paired/plain (see the source).",
+    .m_doc = "commlib's hot paths in C: Runner, spin, span, the front doors rooted/paired/plain/peer (see the source).",
     .m_size = -1,
     .m_methods = module_methods,
 };
