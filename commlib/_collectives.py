@@ -213,8 +213,8 @@ paired_c: Any = None if _front is None else _front.paired
 #: ``plain_c(call, group)``: the same for a call without arrays (barrier).
 plain_c: Any = None if _front is None else _front.plain
 #: ``peer_c(call, tensor, peer, group, tag, group_peer)``: a blocking send or recv (neither numbered nor
-#: recorded), as :func:`commlib._p2p._ran_ready`'s Python fallback.
-peer_c: Any = None if _front is None else _front.peer
+#: recorded), as :func:`commlib._p2p._ran_ready_py`, its Python fallback (also where a build predates it).
+peer_c: Any = None if _front is None else getattr(_front, "peer", None)
 
 
 def ready_op(g: ProcessGroup, table: str, key: tuple) -> Any:

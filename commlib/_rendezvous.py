@@ -235,6 +235,8 @@ def _join_nodes(local: Any, info: LaunchInfo, timeout: float, init_method: str) 
     store = rendezvous_store(init_method, info, timeout)
     try:
         return mpi.join_nodes(local, info.node_rank, info.num_nodes, info.rank, store, timeout)
+    except CommError as e:  # CommTimeoutError included: the same type, saying who
+        raise type(e)(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
     finally:
         store.close()
 

@@ -336,8 +336,8 @@ def new_subgroups(
     """Split ``group`` (default: the default group) into groups of ``group_size`` consecutive ranks, in its
     rank order; every rank of the default group calls it (each group is a :func:`new_group`).
 
-    ``group_size=None``: one group per node (the launcher's ranks per node). Returns this rank's group
-    (None on a rank outside ``group``) and all of them, as torch's.
+    ``group_size=None``: one group per node (the launcher's ranks per node). Returns this rank's group and
+    all of them, as torch's; on a rank outside ``group`` its group is None (torch's refuses such a rank).
     """
     world, _ = resolve(None, "new_subgroups")
     if group is not None and not isinstance(group, ProcessGroup):

@@ -454,7 +454,9 @@ def _loss_arguments(gv, torch, pl) -> dict[str, str]:
             )
         ),
         "a misspelt argument is torch's TypeError": _outcome(
-            lambda: _raises(TypeError, "'reductions'", lambda: F.nll_loss(logits, target, reductions="sum"))
+            lambda: _raises(
+                TypeError, "'reductions'", lambda: gv.nn.functional.nll_loss(logits, target, reductions="sum")
+            )
         ),
     }
 

@@ -452,27 +452,32 @@ def front_door_job() -> dict:
 
 
 def _peer_door(dist, peer, g, me: int, check) -> None:
-    """send and recv (_collectives.peer_c, ranks 0 and 1): taken from the second sighting (neither numbered
-    nor recorded), anything else left to the generic path."""
+    """send and recv (_collectives.peer_c, ranks 0 and 1): taken once the ready operation exists (made at a
+    shape's second call; neither numbered nor recorded), anything else left to the generic path."""
+    from commlib import _p2p
+    from commlib._diagnostics import flight
+
+    check("send and recv go through the C door", _p2p._ran_ready is peer, True)
     if me > 1:
         return
     other, buf = 1 - me, np.zeros(3, np.float32)
     for _ in range(2):  # the generic path makes the ready operations (small sends: at the second sighting)
         for call in ("send", "recv") if me == 0 else ("recv", "send"):
             getattr(dist, call)(buf, other, tag=5)
-    seq = g.seq
+    seq, ring = g.seq, list(flight.ring.starts)
     for call in ("send", "recv") if me == 0 else ("recv", "send"):
         buf[:] = me + 7
         check(f"{call} taken", peer(call, buf, other, None, 5, None), True)
         if call == "recv":
             check("recv result", buf.tolist(), [float(other + 7)] * 3)
     check("send and recv are not numbered", g.seq, seq)
+    check("send and recv are not recorded", flight.ring.starts == ring, True)
     strided, frozen = np.zeros(6, np.float32)[::2], np.zeros(3, np.float32)
     frozen.flags.writeable = False
     for name, args in {
         "a numpy integer peer": ("send", buf, np.int64(other), None, 5, None),
         "a bool peer": ("send", buf, True, None, 5, None),
-        "group_peer": ("send", buf, None, None, 5, other),
+        "group_peer": ("send", buf, other, None, 5, other),
         "another tag": ("send", buf, other, None, 6, None),
         "a bool tag": ("send", buf, other, None, True, None),
         "a strided tensor": ("send", strided, other, None, 5, None),

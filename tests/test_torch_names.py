@@ -128,6 +128,8 @@ def _enumerations(problems: dict, dist: Any, r: int) -> None:
     """new_subgroups_by_enumeration, and new_subgroups of a group: a rank in no subgroup gets None."""
     import numpy as np
 
+    from commlib._world import _state
+
     cur, groups = dist.new_subgroups_by_enumeration([[2, 0], [3]])
     _check(problems, "by_enumeration: groups", [dist.get_process_group_ranks(g) for g in groups], [[0, 2], [3]])
     _check(
@@ -137,17 +139,19 @@ def _enumerations(problems: dict, dist: Any, r: int) -> None:
         t = np.full(1, float(r), np.float32)
         dist.all_reduce(t, group=cur)
         _check(problems, "by_enumeration: all_reduce in it", t.tolist(), [3.0] if r == 3 else [2.0])
+    made = len(_state.groups)
     try:
         dist.new_subgroups_by_enumeration([[0, 1], [1, 2]])
         problems["a rank in two subgroups"] = "no error"
     except ValueError as e:
+        _check(problems, "the refused call made no group", len(_state.groups), made)
         _check(
             problems,
             "the overlap error names the rank and both lists",
             "rank 1 is in two subgroups, [0, 1] and [1, 2]" in str(e),
             True,
         )
-    g = dist.new_group([1, 2])  # every rank still in step after the refused call: no group was made
+    g = dist.new_group([1, 2])
     cur, groups = dist.new_subgroups(1, group=g)
     _check(problems, "new_subgroups of a group", [dist.get_process_group_ranks(s) for s in groups], [[1], [2]])
     _check(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, cast
@@ -10,11 +11,14 @@ import numpy as np
 from mpi4py import MPI
 
 from commlib.backends.mpi import MpiBackend
-from commlib.errors import CommTimeoutError
+from commlib.errors import CommError, CommTimeoutError
 
 __all__ = ["abort", "join_nodes", "join_singletons", "world"]
 
 _GREETING = 7  # the tag of the joiner's and the root's greetings (the intercommunicator carries nothing else)
+#: seconds a joiner waits beyond what node 0 allows itself, so that node 0 always gives up first: a joiner
+#: that gave up while node 0 still went on would leave it in an accept or a merge that never ends
+_GRACE = 3.0
 
 
 def join_nodes(
@@ -23,40 +27,44 @@ def join_nodes(
     """Join the MPI worlds of ``nnodes`` separately launched nodes into one communicator.
 
     Each node's ranks are one MPI world (one mpiexec per node, as ``commlib.launch``
-    starts them). Node 0 opens an MPI port and publishes it in ``store``; the others
-    connect to it and everything joined so far accepts the next (MPI_Comm_accept/connect,
-    then Intercomm_merge). Every node first registers in the store and waits for all the
-    others, so no accept waits for a node that never comes; a node that dies after that
-    is a ``CommTimeoutError`` on every other rank within ``timeout`` (accept and connect
-    carry MPICH's ``timeout`` info key, and a joiner and the root greet each other before
-    the merge, which would wait for good on a dead peer). Ranks are finally ordered by
-    ``rank`` (their global RANK). ``unit`` names a node in messages ("rank" for singletons).
+    starts them). Every node first registers in the store and waits for all the others,
+    so no accept waits for a node that never comes. Node 0 opens an MPI port and
+    publishes it in ``store``; then, node by node, everything joined so far accepts the
+    next (MPI_Comm_accept/connect, then Intercomm_merge), node 0 telling it its turn
+    through the store. A node that dies after reaching the store is a
+    ``CommTimeoutError`` on every other rank, not a hang: the accept carries MPICH's
+    ``timeout`` info key (what is left of node 0's ``timeout``), the joiner and node 0
+    greet each other before the merge (which would wait for good on a dead peer), and a
+    joiner waits :data:`_GRACE` seconds longer than node 0 at each step, so node 0 gives
+    up first and tells the nodes still waiting for their turn. Ranks are finally ordered
+    by ``rank`` (their global RANK). ``unit`` names a node in messages ("rank" for
+    singletons).
     """
     deadline = time.monotonic() + timeout
     comm: MPI.Intracomm = local.comm
     store.set(f"commlib/join/{node}/{comm.Get_rank()}", b"1")
     store.wait([f"commlib/join/{k}/0" for k in range(nnodes)], timeout)
-    if node == 0:
-        port = MPI.Open_port() if comm.Get_rank() == 0 else ""
-        if comm.Get_rank() == 0:
-            store.set("commlib/join/port", port)
-        merged, joined = comm, [0]  # the nodes joined so far, in the order they came
-    else:
-        port = store.get("commlib/join/port").decode()
-        inter = _bounded(comm.Connect, port, deadline, f"could not connect to {unit} 0 within {timeout:g} s")
-        _greet(comm, inter, node, deadline, f"{unit} 0 accepted but did not answer")
-        merged = _merge(comm, inter, True)
-        joined = merged.bcast(None, root=0)
+    root = node == 0 and comm.Get_rank() == 0
+    port = MPI.Open_port() if root else ""
+    merged = comm
     try:
-        while len(joined) < nnodes:
-            missing = sorted(set(range(nnodes)) - set(joined))
-            waited = f"{_names(unit, missing)} did not connect within {timeout:g} s"
-            inter = _bounded(merged.Accept, port, deadline, waited)
-            joiner = _greet(merged, inter, -1, deadline, f"a {unit} connected but did not greet (died?)")
-            merged = _merge(merged, inter, False, free=merged is not comm)
-            joined = merged.bcast([*joined, joiner], root=0)
+        if root:
+            store.set("commlib/join/port", port)
+        if node > 0:
+            merged = _join(comm, node, store, timeout, unit)
+        for k in range(node + 1, nnodes):
+            merged = _accept(merged, comm, k, port, store, deadline, unit, root)
+    except BaseException as e:
+        if root:  # the nodes still waiting for their turn end now, with the reason
+            why = str(e).removeprefix(_JOINING).removesuffix(_CANNOT)
+            with contextlib.suppress(Exception):  # a store that fails too: they time out instead
+                for k in range(node + 1, nnodes):
+                    store.set(f"commlib/join/turn/{k}", b"-" + why.encode())
+        if merged is not comm:
+            merged.Free()
+        raise
     finally:
-        if node == 0 and comm.Get_rank() == 0:
+        if root:
             MPI.Close_port(port)
     out = cast(MPI.Intracomm, merged.Split(0, rank))  # Split of an intracommunicator is one
     if merged is not comm:
@@ -64,59 +72,96 @@ def join_nodes(
     return MpiBackend(out)
 
 
-def _names(unit: str, nodes: list[int]) -> str:
-    return f"{unit} {nodes[0]}" if len(nodes) == 1 else f"{unit}s {nodes}"
+def _join(comm: MPI.Intracomm, node: int, store: Any, timeout: float, unit: str) -> MPI.Intracomm:
+    """Node ``node``'s side: wait for its turn, connect, greet, merge (its ranks last)."""
+    try:
+        store.wait([f"commlib/join/turn/{node}"], timeout)
+    except CommTimeoutError:
+        raise CommTimeoutError(_failed(f"{unit} 0 did not call this {unit} in within {timeout:g} s")) from None
+    turn = store.get(f"commlib/join/turn/{node}")
+    if turn.startswith(b"-"):
+        raise CommTimeoutError(_failed(f"{unit} 0 stopped before this {unit}'s turn ({turn[1:].decode()})"))
+    due = time.monotonic() + float(turn) + _GRACE  # node 0's accept gives up first
+    port = store.get("commlib/join/port").decode()
+    inter = _bounded(comm.Connect, port, due, f"could not connect to {unit} 0")
+    _greet(comm, inter, node, due + _GRACE, f"{unit} 0 accepted this {unit} but did not answer")
+    merged = inter.Merge(high=True)
+    inter.Free()
+    return merged
 
 
-def _bounded(call: Any, port: str, deadline: float, what: str) -> MPI.Intercomm:
+def _accept(
+    merged: MPI.Intracomm, comm: MPI.Intracomm, k: int, port: str, store: Any, deadline: float, unit: str, root: bool
+) -> MPI.Intracomm:
+    """Everything joined so far (``merged``) accepts node ``k``: node 0 tells it its turn and the seconds it
+    allows, accepts, greets, merges (the joined ranks first)."""
+    seconds = max(1, math.ceil(deadline - time.monotonic()))  # MPICH's timeout: whole seconds, 0 is forever
+    if root:
+        store.set(f"commlib/join/turn/{k}", str(seconds).encode())
+    inter = _bounded(merged.Accept, port, time.monotonic() + seconds, f"{unit} {k} did not connect")
+    # a joiner late to the store may be accepted at the deadline: its greeting still gets a moment
+    _greet(merged, inter, -1 - k, max(deadline, time.monotonic() + 2.0), f"{unit} {k} connected but did not greet")
+    out = inter.Merge(high=False)
+    inter.Free()
+    if merged is not comm:
+        merged.Free()
+    return out
+
+
+def _bounded(call: Any, port: str, due: float, what: str) -> MPI.Intercomm:
     """``call(port, info, root=0)``: a communicator's Accept or Connect (collective over it), given MPICH's
-    ``timeout`` info key (whole seconds; 0 would be forever) set to what is left of the join's time; every
-    rank of the communicator fails alike."""
+    ``timeout`` info key (whole seconds) up to ``due``. Every rank of the communicator fails alike (the root
+    passes its error on): ``CommTimeoutError`` for MPICH's timeout (its class is MPI_ERR_PORT, "Invalid
+    port"), else ``CommError`` with MPI's words (e.g. the port's owner is gone)."""
+    seconds = max(1, math.ceil(due - time.monotonic()))
     info = MPI.Info.Create()
-    info.Set("timeout", str(max(1, math.ceil(deadline - time.monotonic()))))
+    info.Set("timeout", str(seconds))
     try:
         return cast(MPI.Intercomm, call(port, info, root=0))
-    except MPI.Exception:  # MPICH says "Invalid port" when the time is up
-        raise CommTimeoutError(_failed(what)) from None
+    except MPI.Exception as e:
+        if e.Get_error_class() == MPI.ERR_PORT:
+            raise CommTimeoutError(_failed(f"{what} within {seconds} s")) from None
+        raise CommError(_failed(f"{what}: {e.Get_error_string().strip()}")) from None
     finally:
         info.Free()
 
 
-def _greet(comm: MPI.Intracomm, inter: MPI.Intercomm, node: int, deadline: float, what: str) -> int:
+def _greet(comm: MPI.Intracomm, inter: MPI.Intercomm, node: int, due: float, what: str) -> None:
     """Before the merge, which would wait for good on a dead peer: the joiner's root sends its node number
-    (``node``; -1 on the accepting side), the accepting root sends it back; each waits up to ``deadline``,
-    then tells its own ranks. The joiner's number, on every rank."""
-    ok, buf = True, np.array([node], np.int64)
-    if comm.Get_rank() == 0:
-        steps = (inter.Isend, inter.Irecv) if node >= 0 else (inter.Irecv, inter.Isend)
-        for post in steps:
+    (``node``), the accepting root (``node``: -1 - the number it expects) checks it and sends it back; each
+    waits up to ``due``, then tells its own ranks (always: an MPI error on the root is an outcome too)."""
+    failure = _greeting(inter, node, due, what) if comm.Get_rank() == 0 else ""
+    failure = comm.bcast(failure, root=0)
+    if failure:
+        inter.Free()
+        raise CommTimeoutError(_failed(failure))
+
+
+def _greeting(inter: MPI.Intercomm, node: int, due: float, what: str) -> str:
+    """The root's greeting (see :func:`_greet`): "" or what went wrong."""
+    want = node if node >= 0 else -1 - node
+    buf = np.array([node], np.int64)
+    try:
+        for post in (inter.Isend, inter.Irecv) if node >= 0 else (inter.Irecv, inter.Isend):
             req = post(buf, 0, _GREETING)
-            while not (done := req.Test()) and time.monotonic() < deadline:
+            while not (done := req.Test()) and time.monotonic() < due:
                 time.sleep(0.001)
             if not done:
                 req.Cancel()
                 req.Wait()
-                ok = False
-                break
-    ok, number = comm.bcast((ok, int(buf[0])), root=0)
-    if not ok:
-        inter.Free()
-        raise CommTimeoutError(_failed(what))
-    return int(number)
+                return f"{what} (died?)"
+            if int(buf[0]) != want:
+                return f"{what}: {int(buf[0])} answered instead"
+    except MPI.Exception as e:
+        return f"{what}: {e.Get_error_string().strip()}"
+    return ""
 
 
-def _merge(comm: MPI.Intracomm, inter: MPI.Intercomm, high: bool, free: bool = False) -> MPI.Intracomm:
-    """The intracommunicator of ``inter``'s two groups (``comm``'s last if ``high``); ``inter`` freed, and
-    ``comm`` too if ``free`` (a merge of an earlier step)."""
-    merged = inter.Merge(high=high)
-    inter.Free()
-    if free:
-        comm.Free()
-    return merged
+_JOINING, _CANNOT = "joining the MPI processes: ", "; the job cannot start (did a process die while it started?)"
 
 
 def _failed(what: str) -> str:
-    return f"joining the MPI processes: {what}; the job cannot start (did a process die while it started?)"
+    return f"{_JOINING}{what}{_CANNOT}"
 
 
 def world() -> MpiBackend:
