@@ -197,6 +197,8 @@ def _native_front() -> Any:
         module = importlib.import_module("commlib.backends._ready")  # a C module, no MPI; built or not
     except ImportError:
         return None
+    if not {"rooted", "paired", "plain", "peer"} <= set(dir(module)):
+        return None  # a build older than this source (pip install -e . again): the Python paths serve
     module.setup_array(np.ndarray, *layout)
     module.setup_rooted(_world, ProcessGroup, _starts, _ends, _slots, ready_rest)
     return module
@@ -213,8 +215,8 @@ paired_c: Any = None if _front is None else _front.paired
 #: ``plain_c(call, group)``: the same for a call without arrays (barrier).
 plain_c: Any = None if _front is None else _front.plain
 #: ``peer_c(call, tensor, peer, group, tag, group_peer)``: a blocking send or recv (neither numbered nor
-#: recorded), as :func:`commlib._p2p._ran_ready_py`, its Python fallback (also where a build predates it).
-peer_c: Any = None if _front is None else getattr(_front, "peer", None)
+#: recorded), as :func:`commlib._p2p._ran_ready_py`, its Python fallback.
+peer_c: Any = None if _front is None else _front.peer
 
 
 def ready_op(g: ProcessGroup, table: str, key: tuple) -> Any:
