@@ -41,6 +41,8 @@ _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 
 class _State:
+    __slots__ = ("by_ranks", "groups", "implicit", "info", "store", "world")  # world: read by the C front doors
+
     def __init__(self) -> None:
         self.world: ProcessGroup | None = None
         self.implicit = False  # the world was created by the first API call, not by init_process_group

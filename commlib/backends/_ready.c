@@ -24,6 +24,7 @@
  * library's own size, so this file builds with a C compiler alone and follows mpi4py's MPI.
  */
 #include "_ready.h"
+#include "structmember.h" /* PyMemberDescrObject, T_OBJECT_EX: the slots read straight */
 
 static start_fn mpi_start;
 static startall_fn mpi_startall;
@@ -552,6 +553,65 @@ static PyTypeObject *fr_group_type;
 static PyObject *fr_one, *fr_zero, *fr_minus_one; /* 1, 0, -1 */
 static PyObject *s_world, *s_ready, *s_pending, *s_rank, *s_size, *s_seq, *s_shape, *s_dtype, *s_count, *s_go;
 
+/* The group layer's objects keep their state in __slots__: o.name read (or written) straight from o's struct
+ * at the slot's offset, cached per (type, name) in a small table that holds the type (so its address is never
+ * reused), instead of PyObject_GetAttr's lookups (~20 ns each, a dozen a call). A name that is not a plain
+ * slot of the type (off -1) goes through PyObject_GetAttr/SetAttr, as does a slot not set yet. */
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+static struct {
+    PyTypeObject *type;
+    PyObject *name;
+    Py_ssize_t off;
+} slot_cache[32];
+
+static Py_ssize_t
+slot_of(PyObject *o, PyObject *name)
+{
+    PyTypeObject *type = Py_TYPE(o);
+    size_t h = (((uintptr_t)type >> 4) * 31u + ((uintptr_t)name >> 4)) & 31u;
+    if (slot_cache[h].type == type && slot_cache[h].name == name)
+        return slot_cache[h].off;
+    PyObject *d = PyObject_GetAttr((PyObject *)type, name);
+    Py_ssize_t off = -1;
+    if (d == NULL)
+        PyErr_Clear();
+    else if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY))
+            off = m->offset;
+    }
+    Py_XDECREF(d);
+    Py_INCREF(type);
+    Py_XSETREF(slot_cache[h].type, type);
+    slot_cache[h].name = name; /* interned and kept for good (the s_* names) */
+    slot_cache[h].off = off;
+    return off;
+}
+
+/* o.name: a new reference, or NULL with an error */
+static PyObject *
+attr(PyObject *o, PyObject *name)
+{
+    Py_ssize_t off = slot_of(o, name);
+    PyObject *v = off >= 0 ? SLOT(o, off) : NULL;
+    if (v == NULL)
+        return PyObject_GetAttr(o, name);
+    Py_INCREF(v);
+    return v;
+}
+
+/* o.name = v; -1 with an error */
+static int
+set_attr(PyObject *o, PyObject *name, PyObject *v)
+{
+    Py_ssize_t off = slot_of(o, name);
+    if (off < 0)
+        return PyObject_SetAttr(o, name, v);
+    Py_INCREF(v);
+    Py_XSETREF(SLOT(o, off), v);
+    return 0;
+}
+
 static PyObject *
 now_ns(void)
 {
@@ -613,7 +673,7 @@ rest(PyObject *result, PyObject *g, PyObject *call, PyObject *p, PyObject *out, 
 static PyObject *
 run_recorded(PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *out)
 {
-    PyObject *old = PyObject_GetAttr(g, s_seq);
+    PyObject *old = attr(g, s_seq);
     if (old == NULL)
         return NULL;
     PyObject *seq = PyNumber_Add(old, fr_one);
@@ -621,13 +681,13 @@ run_recorded(PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *
     if (seq == NULL)
         return NULL;
     PyObject *slot = NULL, *dtype = NULL, *count = NULL, *t = NULL, *entry = NULL, *go = NULL, *result = NULL;
-    if (PyObject_SetAttr(g, s_seq, seq) < 0 || (slot = PyIter_Next(fr_slots)) == NULL)
+    if (set_attr(g, s_seq, seq) < 0 || (slot = PyIter_Next(fr_slots)) == NULL)
         goto fail;
-    if ((dtype = PyObject_GetAttr(p, s_dtype)) == NULL || (count = PyObject_GetAttr(p, s_count)) == NULL)
+    if ((dtype = attr(p, s_dtype)) == NULL || (count = attr(p, s_count)) == NULL)
         goto fail;
     if ((t = now_ns()) == NULL || (entry = PyTuple_Pack(6, g, call, dtype, count, seq, t)) == NULL)
         goto fail;
-    if (PyObject_SetItem(fr_starts, slot, entry) < 0 || (go = PyObject_GetAttr(p, s_go)) == NULL)
+    if (PyObject_SetItem(fr_starts, slot, entry) < 0 || (go = attr(p, s_go)) == NULL)
         goto fail;
     PyObject *pair[2] = {inp, out};
     result = PyObject_Vectorcall(go, pair, 2, NULL);
@@ -662,7 +722,7 @@ group_ops(PyObject *group, PyObject *table, PyObject **g, PyObject **ops)
 {
     *ops = NULL;
     if (group == Py_None)
-        *g = PyObject_GetAttr(fr_state, s_world);
+        *g = attr(fr_state, s_world);
     else {
         Py_INCREF(group);
         *g = group;
@@ -671,7 +731,7 @@ group_ops(PyObject *group, PyObject *table, PyObject **g, PyObject **ops)
         return -1;
     if (Py_TYPE(*g) != fr_group_type)
         return 0;
-    PyObject *ready = PyObject_GetAttr(*g, s_ready), *pending = ready ? PyObject_GetAttr(*g, s_pending) : NULL;
+    PyObject *ready = attr(*g, s_ready), *pending = ready ? attr(*g, s_pending) : NULL;
     int busy = pending ? PyObject_IsTrue(pending) : -1, result = busy < 0 ? -1 : 0;
     if (busy == 0 && ready != Py_None) {
         *ops = PyObject_GetItem(ready, table);
@@ -742,7 +802,7 @@ rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *inp = tensor, *out = tensor;
     if (verdict == 1 && mode) {
-        PyObject *rank = PyObject_GetAttr(g, s_rank), *size = rank ? PyObject_GetAttr(g, s_size) : NULL;
+        PyObject *rank = attr(g, s_rank), *size = rank ? attr(g, s_size) : NULL;
         int is_root = size == NULL ? -1 : PyObject_RichCompareBool(rank, root, Py_EQ);
         Py_ssize_t n = size == NULL ? 0 : PyLong_AsSsize_t(size);
         Py_XDECREF(rank);
@@ -865,7 +925,7 @@ peer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_XDECREF(ops);
     Py_XDECREF(shape);
     Py_XDECREF(key);
-    PyObject *go = verdict == 1 ? PyObject_GetAttr(p, s_go) : NULL;
+    PyObject *go = verdict == 1 ? attr(p, s_go) : NULL;
     if (go != NULL) {
         PyObject *out = sending ? Py_None : tensor, *pair[2] = {sending ? tensor : Py_None, out};
         result = PyObject_Vectorcall(go, pair, 2, NULL);
