@@ -107,12 +107,15 @@ def all_reduce(
     tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
     """Reduce ``tensor`` across the group; every rank gets the result in place."""
-    # The common case (default group, a writable contiguous numpy array) is checked inline:
-    # this function's own overhead is most of a small all_reduce's latency.
+    # The common case (a writable contiguous numpy array, SUM, a shape seen before) runs in one C call, or,
+    # without the C module, inline here: this function's own overhead is most of a small all_reduce's latency.
+    if summed_c is not None and summed_c(tensor, op, group, async_op):
+        return None
     g = _world.world if group is None else group
     # the hottest call: a ready operation for this shape and dtype (Backend.sums), run right here
     if (
-        op is _SUM
+        summed_c is None
+        and op is _SUM
         and not async_op
         and type(tensor) is _ndarray
         and type(g) is ProcessGroup
@@ -197,14 +200,17 @@ def _native_front() -> Any:
         module = importlib.import_module("commlib.backends._ready")  # a C module, no MPI; built or not
     except ImportError:
         return None
-    if not {"rooted", "paired", "plain", "peer"} <= set(dir(module)):
+    if not {"summed", "rooted", "paired", "plain", "peer"} <= set(dir(module)):
         return None  # a build older than this source (pip install -e . again): the Python paths serve
     module.setup_array(np.ndarray, *layout)
-    module.setup_rooted(_world, ProcessGroup, _starts, _ends, _slots, ready_rest)
+    module.setup_rooted(_world, ProcessGroup, _starts, _ends, _slots, ready_rest, _SUM)
     return module
 
 
 _front = _native_front()
+#: ``summed_c(tensor, op, group, async_op)``: True, ran a blocking SUM all_reduce through the group's ready
+#: operation (as :func:`all_reduce`'s Python fast path and :func:`run_ready`); False, the generic path.
+summed_c: Any = None if _front is None else _front.summed
 #: ``rooted_c(call, tensor, root, group, group_root, async_op, mode, items)``: True, ran a blocking rooted
 #: call (mode 0 in place, 1 gather, 2 scatter) through the group's ready operation; False, the generic path.
 #: None where the C module cannot serve (then :func:`ready_rooted` and :func:`run_ready` do).

@@ -438,6 +438,7 @@ def front_door_job() -> dict:
         "splits not ready": ("all_to_all_single", "all_to_all_v", got2, x2, None, False, outs[::-1], ins[::-1]),
     }.items():
         check(f"paired: {name}", paired(*args), False)
+    _summed_door(dist, _collectives.summed_c, g, me, n, check)
     # a barrier (no arrays): _collectives.plain_c
     dist.barrier()
     dist.barrier()  # ready from here
@@ -449,6 +450,39 @@ def front_door_job() -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return problems
+
+
+def _summed_door(dist, summed, g, me: int, n: int, check) -> None:
+    """all_reduce (_collectives.summed_c): a SUM of a numpy array whose ready operation exists, numbered and
+    recorded; anything else left to the generic path, on every rank alike."""
+    from commlib import ReduceOp
+    from commlib._diagnostics import flight
+
+    x = np.zeros(3, np.float32)
+    for _ in range(2):  # the generic path makes the ready operation
+        dist.all_reduce(x)
+    x[:] = me + 1
+    seq = g.seq
+    check("all_reduce taken", summed(x, ReduceOp.SUM, None, False), True)
+    check("all_reduce result", x.tolist(), [float(sum(range(1, n + 1)))] * 3)
+    check("all_reduce numbered", g.seq, seq + 1)
+    last = max((e for e in flight.ring.starts if e is not None and e[0] is g), key=lambda e: e[4])
+    check("all_reduce recorded", (last[1], last[4]), ("all_reduce", seq + 1))
+    check("all_reduce on the group given", summed(x, ReduceOp.SUM, g, False), True)
+    strided, frozen = np.zeros(6, np.float32)[::2], np.zeros(3, np.float32)
+    frozen.flags.writeable = False
+    for name, args in {
+        "async_op": (x, ReduceOp.SUM, None, True),
+        "another op": (x, ReduceOp.MAX, None, False),
+        "the op's name": (x, "sum", None, False),
+        "a strided tensor": (strided, ReduceOp.SUM, None, False),
+        "a read-only tensor": (frozen, ReduceOp.SUM, None, False),
+        "a shape not ready": (np.zeros(4, np.float32), ReduceOp.SUM, None, False),
+        "a list": ([1.0, 2.0, 3.0], ReduceOp.SUM, None, False),
+        "not a group": (x, ReduceOp.SUM, "world", False),
+    }.items():
+        check(f"summed: {name}", summed(*args), False)
+    check("summed: nothing ran", g.seq, seq + 2)
 
 
 def _peer_door(dist, peer, g, me: int, check) -> None:

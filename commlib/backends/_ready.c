@@ -13,7 +13,7 @@
  *   (commlib/backends/_mpi.py) do the same where this module was not built.
  * - spin(request, seconds): a large wait, MPI_Test in a loop without the GIL until done or a deadline.
  * - span(parts): whether a list of arrays lies back to back in one buffer (commlib._collectives.packed).
- * - rooted / paired / plain / peer: the group layer's ready path of the small calls (checks, lookup, numbering,
+ * - summed / rooted / paired / plain / peer: the group layer's ready path of the small calls (checks, lookup, numbering,
  *   flight recorder, run) in one call, mirroring commlib._collectives' Python functions.
  * A fifth part lives in _direct.c (Direct: a large call run on the caller's arrays, as point-to-point steps
  * of commlib's own or one MPI nonblocking call); _ready.h holds what the two files share.
@@ -552,6 +552,7 @@ static PyObject *fr_state, *fr_starts, *fr_ends, *fr_slots, *fr_rest;
 static PyTypeObject *fr_group_type;
 static PyObject *fr_one, *fr_zero, *fr_minus_one; /* 1, 0, -1 */
 static PyObject *s_world, *s_ready, *s_pending, *s_rank, *s_size, *s_seq, *s_shape, *s_dtype, *s_count, *s_go;
+static PyObject *s_sums, *s_all_reduce, *fr_sum; /* fr_sum: ReduceOp.SUM */
 
 /* The group layer's objects keep their state in __slots__: o.name read (or written) straight from o's struct
  * at the slot's offset, cached per (type, name) in a small table that holds the type (so its address is never
@@ -897,6 +898,45 @@ plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return answer(verdict, g, args[0], p, Py_None, Py_None);
 }
 
+/* summed(tensor, op, group, async_op): a blocking in-place SUM all_reduce of a numpy array through the group's
+ * ready operation (Backend.sums, keyed by shape and dtype), as commlib._collectives.all_reduce's Python fast
+ * path and run_ready do (numbered and recorded): True ran it, False the generic path. */
+static PyObject *
+summed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4 || fr_sum == NULL) {
+        PyErr_SetString(PyExc_TypeError, "summed(tensor, op, group, async_op), after setup_rooted()");
+        return NULL;
+    }
+    PyObject *tensor = args[0];
+    int async_op = PyObject_IsTrue(args[3]);
+    if (async_op < 0)
+        return NULL;
+    if (async_op || args[1] != fr_sum || Py_TYPE(tensor) != array_type || (ARRAY_FLAGS(tensor) & CARRAY) != CARRAY)
+        Py_RETURN_FALSE;
+    PyObject *g = args[2] == Py_None ? attr(fr_state, s_world) : (Py_INCREF(args[2]), args[2]);
+    PyObject *sums = NULL, *pending = NULL, *shape = NULL, *key = NULL, *p = NULL;
+    int verdict = g == NULL ? -1 : 0;
+    if (g != NULL && Py_TYPE(g) == fr_group_type && (sums = attr(g, s_sums)) != NULL && (pending = attr(g, s_pending))) {
+        int busy = PyObject_IsTrue(pending);
+        verdict = busy < 0 ? -1 : 0;
+        if (busy == 0 && sums != Py_None) {
+            verdict = -1;
+            if ((shape = PyObject_GetAttr(tensor, s_shape)) != NULL &&
+                (key = PyTuple_Pack(2, shape, ARRAY_DESCR(tensor))) != NULL)
+                verdict = (p = lookup(sums, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
+        }
+    }
+    else if (g != NULL && PyErr_Occurred())
+        verdict = -1;
+    Py_XDECREF(sums);
+    Py_XDECREF(pending);
+    Py_XDECREF(shape);
+    Py_XDECREF(key);
+    return answer(verdict, g, s_all_reduce, p, tensor, tensor);
+}
+
 /* peer(call, tensor, peer, group, tag, group_peer): a blocking send or recv (call "send" or "recv") of a numpy
  * array to or from a global rank through the group's ready operation, as commlib._p2p's Python fallback does
  * (point to point: neither numbered nor recorded): True ran it, False the generic path. */
@@ -943,16 +983,18 @@ peer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 setup_rooted(PyObject *module, PyObject *args)
 {
-    PyObject *state, *group_type, *starts, *ends, *slots, *rest;
+    PyObject *state, *group_type, *starts, *ends, *slots, *rest, *sum;
     (void)module;
-    if (!PyArg_ParseTuple(args, "OO!OOOO", &state, &PyType_Type, &group_type, &starts, &ends, &slots, &rest))
+    if (!PyArg_ParseTuple(args, "OO!OOOOO", &state, &PyType_Type, &group_type, &starts, &ends, &slots, &rest, &sum))
         return NULL;
     if (!PyIter_Check(slots) || !PyCallable_Check(rest) || array_type == NULL) {
         PyErr_SetString(PyExc_TypeError, "setup_rooted: slots must be an iterator, rest a callable; setup_array first");
         return NULL;
     }
-    const char *names[] = {"world", "ready", "pending", "rank", "size", "seq", "shape", "dtype", "count", "go"};
-    PyObject **slots_of[] = {&s_world, &s_ready, &s_pending, &s_rank, &s_size, &s_seq, &s_shape, &s_dtype, &s_count, &s_go};
+    const char *names[] = {"world", "ready", "pending", "rank", "size", "seq", "shape", "dtype", "count", "go",
+                           "sums", "all_reduce"};
+    PyObject **slots_of[] = {&s_world, &s_ready, &s_pending, &s_rank, &s_size,  &s_seq,
+                             &s_shape, &s_dtype, &s_count,   &s_go,   &s_sums, &s_all_reduce};
     PyObject **numbers[] = {&fr_one, &fr_zero, &fr_minus_one};
     for (int i = 0; i < 3; i++) {
         if (*numbers[i] == NULL && (*numbers[i] = PyLong_FromLong(1 - i)) == NULL)
@@ -962,8 +1004,8 @@ setup_rooted(PyObject *module, PyObject *args)
         if (*slots_of[i] == NULL && (*slots_of[i] = PyUnicode_InternFromString(names[i])) == NULL)
             return NULL;
     }
-    PyObject *objects[] = {state, group_type, starts, ends, slots, rest};
-    PyObject **targets[] = {&fr_state, (PyObject **)&fr_group_type, &fr_starts, &fr_ends, &fr_slots, &fr_rest};
+    PyObject *objects[] = {state, group_type, starts, ends, slots, rest, sum};
+    PyObject **targets[] = {&fr_state, (PyObject **)&fr_group_type, &fr_starts, &fr_ends, &fr_slots, &fr_rest, &fr_sum};
     for (size_t i = 0; i < sizeof objects / sizeof objects[0]; i++) {
         Py_INCREF(objects[i]);
         Py_XSETREF(*targets[i], objects[i]);
@@ -1010,11 +1052,15 @@ static PyMethodDef module_methods[] = {
      "all_gather, reduce_scatter or all_to_all through the group's ready operation (see the source)"},
     {"plain", (PyCFunction)(void (*)(void))plain, METH_FASTCALL,
      "plain(call, group) -> bool: a barrier through the group's ready operation (see the source)"},
+    {"summed", (PyCFunction)(void (*)(void))summed, METH_FASTCALL,
+     "summed(tensor, op, group, async_op) -> bool: a blocking SUM all_reduce through the group's ready operation "
+     "(see the source)"},
     {"peer", (PyCFunction)(void (*)(void))peer, METH_FASTCALL,
      "peer(call, tensor, peer, group, tag, group_peer) -> bool: a blocking send or recv through the group's ready "
      "operation (see the source)"},
     {"setup_rooted", setup_rooted, METH_VARARGS,
-     "setup_rooted(world state, ProcessGroup, ring starts, ring ends, ring slots, rest), after setup_array()"},
+     "setup_rooted(world state, ProcessGroup, ring starts, ring ends, ring slots, rest, ReduceOp.SUM), after "
+     "setup_array()"},
     {"setup_array", setup_array, METH_VARARGS,
      "setup_array(ndarray, data, nd, dimensions, flags, descr offsets): where numpy keeps an array's fields"},
     {"span", span, METH_O,
@@ -1033,7 +1079,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_ready",
-    .m_doc = "commlib's hot paths in C: Runner, spin, span, the front doors rooted/paired/plain/peer (see the source).",
+    .m_doc = "commlib's hot paths in C: Runner, spin, span, the front doors summed/rooted/paired/plain/peer (see the source).",
     .m_size = -1,
     .m_methods = module_methods,
 };
