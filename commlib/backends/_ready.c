@@ -559,19 +559,26 @@ static PyObject *s_sums, *s_all_reduce, *fr_sum; /* fr_sum: ReduceOp.SUM */
  * reused), instead of PyObject_GetAttr's lookups (~20 ns each, a dozen a call). A name that is not a plain
  * slot of the type (off -1) goes through PyObject_GetAttr/SetAttr, as does a slot not set yet. */
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+#define SLOT_CACHE 64 /* entries; a pair lives in one of PROBES after its hash (no two pairs evict each other) */
+#define PROBES 4
 static struct {
     PyTypeObject *type;
     PyObject *name;
     Py_ssize_t off;
-} slot_cache[32];
+} slot_cache[SLOT_CACHE];
 
 static Py_ssize_t
 slot_of(PyObject *o, PyObject *name)
 {
     PyTypeObject *type = Py_TYPE(o);
-    size_t h = (((uintptr_t)type >> 4) * 31u + ((uintptr_t)name >> 4)) & 31u;
-    if (slot_cache[h].type == type && slot_cache[h].name == name)
-        return slot_cache[h].off;
+    size_t h = ((uintptr_t)type >> 4) * 31u + ((uintptr_t)name >> 4), i, free = SLOT_CACHE;
+    for (i = 0; i < PROBES; i++) {
+        size_t at = (h + i) % SLOT_CACHE;
+        if (slot_cache[at].type == type && slot_cache[at].name == name)
+            return slot_cache[at].off;
+        if (slot_cache[at].type == NULL && free == SLOT_CACHE)
+            free = at;
+    }
     PyObject *d = PyObject_GetAttr((PyObject *)type, name);
     Py_ssize_t off = -1;
     if (d == NULL)
@@ -582,10 +589,11 @@ slot_of(PyObject *o, PyObject *name)
             off = m->offset;
     }
     Py_XDECREF(d);
+    size_t at = free < SLOT_CACHE ? free : h % SLOT_CACHE; /* all taken: the first is replaced */
     Py_INCREF(type);
-    Py_XSETREF(slot_cache[h].type, type);
-    slot_cache[h].name = name; /* interned and kept for good (the s_* names) */
-    slot_cache[h].off = off;
+    Py_XSETREF(slot_cache[at].type, type);
+    slot_cache[at].name = name; /* interned and kept for good (the s_* names) */
+    slot_cache[at].off = off;
     return off;
 }
 
