@@ -724,8 +724,8 @@ done:
 }
 
 /* The group of a blocking call (new reference in *g, also on failure) and its ready table `table` (new
- * reference in *ops): 1; 0 when the group cannot run a ready operation now (not a ProcessGroup, no ready
- * tables, calls pending); -1 on error. */
+ * reference in *ops; table NULL: the group's sums, all_reduce's table): 1; 0 when the group cannot run a ready
+ * operation now (not a ProcessGroup, no ready tables, calls pending); -1 on error. */
 static int
 group_ops(PyObject *group, PyObject *table, PyObject **g, PyObject **ops)
 {
@@ -740,10 +740,10 @@ group_ops(PyObject *group, PyObject *table, PyObject **g, PyObject **ops)
         return -1;
     if (Py_TYPE(*g) != fr_group_type)
         return 0;
-    PyObject *ready = attr(*g, s_ready), *pending = ready ? attr(*g, s_pending) : NULL;
+    PyObject *ready = attr(*g, table ? s_ready : s_sums), *pending = ready ? attr(*g, s_pending) : NULL;
     int busy = pending ? PyObject_IsTrue(pending) : -1, result = busy < 0 ? -1 : 0;
     if (busy == 0 && ready != Py_None) {
-        *ops = PyObject_GetItem(ready, table);
+        *ops = table ? PyObject_GetItem(ready, table) : Py_NewRef(ready);
         result = *ops ? 1 : -1;
     }
     Py_XDECREF(ready);
@@ -758,6 +758,30 @@ lookup(PyObject *ops, PyObject *key)
     PyObject *p = PyDict_CheckExact(ops) ? PyDict_GetItemWithError(ops, key) : NULL;
     Py_XINCREF(p);
     return p;
+}
+
+/* A front door's group (*g, a new reference, also on failure) and ready operation (*p, a new reference or NULL):
+ * the group's table `table` (NULL: its sums), entry (tensor's shape, tensor's dtype, a, b) (a, b: NULL for none;
+ * tensor NULL: the entry ()). 1 found; 0 the generic path; -1 error. */
+static int
+ready_for(PyObject *group, PyObject *table, PyObject *tensor, PyObject *a, PyObject *b, PyObject **g, PyObject **p)
+{
+    PyObject *ops, *shape = NULL, *key = NULL;
+    *p = NULL;
+    int verdict = group_ops(group, table, g, &ops);
+    if (verdict == 1 && tensor == NULL)
+        key = PyTuple_New(0);
+    else if (verdict == 1 && (shape = PyObject_GetAttr(tensor, s_shape)) != NULL) {
+        PyObject *descr = ARRAY_DESCR(tensor);
+        key = a == NULL ? PyTuple_Pack(2, shape, descr)
+                        : b == NULL ? PyTuple_Pack(3, shape, descr, a) : PyTuple_Pack(4, shape, descr, a, b);
+    }
+    if (verdict == 1)
+        verdict = key == NULL ? -1 : (*p = lookup(ops, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
+    Py_XDECREF(ops);
+    Py_XDECREF(shape);
+    Py_XDECREF(key);
+    return verdict;
 }
 
 /* The end of rooted() and paired(): where verdict is 1 run p (run_recorded); release g and p; answer True
@@ -775,11 +799,11 @@ answer(int verdict, PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyO
     return verdict < 0 ? NULL : PyBool_FromLong(verdict);
 }
 
-/* 0 where a front door got its 8 arguments after setup_rooted(); else -1 with a TypeError giving its usage. */
+/* 0 where a front door got its `want` arguments after setup_rooted(); else -1 with a TypeError giving its usage. */
 static int
-arity(Py_ssize_t nargs, const char *usage)
+arity(Py_ssize_t nargs, Py_ssize_t want, const char *usage)
 {
-    if (nargs == 8 && fr_rest != NULL)
+    if (nargs == want && fr_rest != NULL)
         return 0;
     PyErr_Format(PyExc_TypeError, "%s, after setup_rooted()", usage);
     return -1;
@@ -789,7 +813,7 @@ static PyObject *
 rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (arity(nargs, "rooted(call, tensor, root, group, group_root, async_op, mode, items)") < 0)
+    if (arity(nargs, 8, "rooted(call, tensor, root, group, group_root, async_op, mode, items)") < 0)
         return NULL;
     PyObject *call = args[0], *tensor = args[1], *root = args[2], *items = args[7];
     long mode = PyLong_AsLong(args[6]);
@@ -801,14 +825,8 @@ rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int want = mode == 1 ? C_CONTIGUOUS : CARRAY; /* gather only reads its tensor */
     if ((ARRAY_FLAGS(tensor) & want) != want)
         Py_RETURN_FALSE;
-    PyObject *g, *ops, *shape = NULL, *key = NULL, *p = NULL;
-    int verdict = group_ops(args[3], call, &g, &ops);
-    if (verdict == 1) {
-        verdict = -1;
-        if ((shape = PyObject_GetAttr(tensor, s_shape)) != NULL &&
-            (key = PyTuple_Pack(3, shape, ARRAY_DESCR(tensor), root)) != NULL)
-            verdict = (p = lookup(ops, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
-    }
+    PyObject *g, *p;
+    int verdict = ready_for(args[3], call, tensor, root, NULL, &g, &p);
     PyObject *inp = tensor, *out = tensor;
     if (verdict == 1 && mode) {
         PyObject *rank = attr(g, s_rank), *size = rank ? attr(g, s_size) : NULL;
@@ -822,9 +840,6 @@ rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         else
             inp = items;
     }
-    Py_XDECREF(ops);
-    Py_XDECREF(shape);
-    Py_XDECREF(key);
     return answer(verdict, g, call, p, inp, out);
 }
 
@@ -848,7 +863,7 @@ static PyObject *
 paired(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (arity(nargs, "paired(call, table, output, input, group, async_op, input_splits, output_splits)") < 0)
+    if (arity(nargs, 8, "paired(call, table, output, input, group, async_op, input_splits, output_splits)") < 0)
         return NULL;
     PyObject *call = args[0], *output = args[2], *input = args[3], *ins = args[6], *outs = args[7];
     int async_op = PyObject_IsTrue(args[5]);
@@ -893,16 +908,10 @@ static PyObject *
 plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 2 || fr_rest == NULL) {
-        PyErr_SetString(PyExc_TypeError, "plain(call, group), after setup_rooted()");
+    if (arity(nargs, 2, "plain(call, group)") < 0)
         return NULL;
-    }
-    PyObject *g = NULL, *ops = NULL, *p = NULL, *none = PyTuple_New(0);
-    int verdict = none == NULL ? -1 : group_ops(args[1], args[0], &g, &ops);
-    if (verdict == 1)
-        verdict = (p = lookup(ops, none)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
-    Py_XDECREF(none);
-    Py_XDECREF(ops);
+    PyObject *g, *p;
+    int verdict = ready_for(args[1], args[0], NULL, NULL, NULL, &g, &p);
     return answer(verdict, g, args[0], p, Py_None, Py_None);
 }
 
@@ -913,35 +922,16 @@ static PyObject *
 summed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4 || fr_sum == NULL) {
-        PyErr_SetString(PyExc_TypeError, "summed(tensor, op, group, async_op), after setup_rooted()");
+    if (arity(nargs, 4, "summed(tensor, op, group, async_op)") < 0)
         return NULL;
-    }
     PyObject *tensor = args[0];
     int async_op = PyObject_IsTrue(args[3]);
     if (async_op < 0)
         return NULL;
     if (async_op || args[1] != fr_sum || Py_TYPE(tensor) != array_type || (ARRAY_FLAGS(tensor) & CARRAY) != CARRAY)
         Py_RETURN_FALSE;
-    PyObject *g = args[2] == Py_None ? attr(fr_state, s_world) : (Py_INCREF(args[2]), args[2]);
-    PyObject *sums = NULL, *pending = NULL, *shape = NULL, *key = NULL, *p = NULL;
-    int verdict = g == NULL ? -1 : 0;
-    if (g != NULL && Py_TYPE(g) == fr_group_type && (sums = attr(g, s_sums)) != NULL && (pending = attr(g, s_pending))) {
-        int busy = PyObject_IsTrue(pending);
-        verdict = busy < 0 ? -1 : 0;
-        if (busy == 0 && sums != Py_None) {
-            verdict = -1;
-            if ((shape = PyObject_GetAttr(tensor, s_shape)) != NULL &&
-                (key = PyTuple_Pack(2, shape, ARRAY_DESCR(tensor))) != NULL)
-                verdict = (p = lookup(sums, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
-        }
-    }
-    else if (g != NULL && PyErr_Occurred())
-        verdict = -1;
-    Py_XDECREF(sums);
-    Py_XDECREF(pending);
-    Py_XDECREF(shape);
-    Py_XDECREF(key);
+    PyObject *g, *p;
+    int verdict = ready_for(args[2], NULL, tensor, NULL, NULL, &g, &p);
     return answer(verdict, g, s_all_reduce, p, tensor, tensor);
 }
 
@@ -952,27 +942,16 @@ static PyObject *
 peer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 6 || fr_rest == NULL || !PyUnicode_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "peer(call, tensor, peer, group, tag, group_peer), after setup_rooted()");
+    if (arity(nargs, 6, "peer(call, tensor, peer, group, tag, group_peer)") < 0)
         return NULL;
-    }
     PyObject *call = args[0], *tensor = args[1], *who = args[2], *tag = args[4];
-    int sending = PyUnicode_CompareWithASCIIString(call, "send") == 0;
+    int sending = PyUnicode_CheckExact(call) && PyUnicode_CompareWithASCIIString(call, "send") == 0;
     int want = sending ? C_CONTIGUOUS : CARRAY; /* a send only reads its tensor */
     if (Py_TYPE(tensor) != array_type || !PyLong_CheckExact(who) || !PyLong_CheckExact(tag) || args[5] != Py_None ||
         (ARRAY_FLAGS(tensor) & want) != want)
         Py_RETURN_FALSE;
-    PyObject *g, *ops, *shape = NULL, *key = NULL, *p = NULL, *result = NULL;
-    int verdict = group_ops(args[3], call, &g, &ops);
-    if (verdict == 1) {
-        verdict = -1;
-        if ((shape = PyObject_GetAttr(tensor, s_shape)) != NULL &&
-            (key = PyTuple_Pack(4, shape, ARRAY_DESCR(tensor), who, tag)) != NULL)
-            verdict = (p = lookup(ops, key)) != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
-    }
-    Py_XDECREF(ops);
-    Py_XDECREF(shape);
-    Py_XDECREF(key);
+    PyObject *g, *p, *result = NULL;
+    int verdict = ready_for(args[3], call, tensor, who, tag, &g, &p);
     PyObject *go = verdict == 1 ? attr(p, s_go) : NULL;
     if (go != NULL) {
         PyObject *out = sending ? Py_None : tensor, *pair[2] = {sending ? tensor : Py_None, out};
