@@ -319,12 +319,29 @@ class group(metaclass=_WorldMeta):  # torch's name
     """torch's ``dist.group``: ``group.WORLD`` is the default group (None before it exists)."""
 
 
-class GroupMember(metaclass=_WorldMeta):
-    """torch's ``dist.GroupMember``: ``GroupMember.WORLD`` is the default group (None before it exists).
+class _NonGroupMember:
+    """torch's ``GroupMember.NON_GROUP_MEMBER``, compared with ``==``/``!=``: equal to a group this rank is not
+    in. torch's :func:`new_group` returns that constant on such a rank; commlib's returns a group whose
+    :func:`get_rank` is -1 (as torch's ``get_rank`` of a group one is not in), so ``group ==
+    GroupMember.NON_GROUP_MEMBER`` reads the same under either (an ``is`` test cannot)."""
 
-    There is no ``NON_GROUP_MEMBER``: on a rank outside it, :func:`new_group` returns a group whose
-    :func:`get_rank` is -1 (as torch's ``get_rank`` of a group one is not in).
-    """
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or (isinstance(other, ProcessGroup) and other.rank < 0)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+
+class GroupMember(metaclass=_WorldMeta):
+    """torch's ``dist.GroupMember``: ``GroupMember.WORLD`` is the default group (None before it exists);
+    ``GroupMember.NON_GROUP_MEMBER`` equals (``==``) a group this rank is not in."""
+
+    NON_GROUP_MEMBER = _NonGroupMember()
 
 
 def new_subgroups(

@@ -1,7 +1,7 @@
 """torch.distributed names beyond the reference list that torch scripts use, so that switching the import
-keeps them running: ``group.WORLD``/``GroupMember.WORLD``, ``send_object_list``/``recv_object_list``,
-``new_subgroups``, ``new_subgroups_by_enumeration``, ``get_node_local_rank``, ``is_torchelastic_launched``,
-``is_backend_available``.
+keeps them running: ``group.WORLD``/``GroupMember.WORLD``/``GroupMember.NON_GROUP_MEMBER``,
+``send_object_list``/``recv_object_list``, ``new_subgroups``, ``new_subgroups_by_enumeration``,
+``get_node_local_rank``, ``is_torchelastic_launched``, ``is_backend_available``.
 
 Each job returns ``{scenario: problem}`` (empty when every scenario held), so a failure names them.
 """
@@ -152,6 +152,11 @@ def _enumerations(problems: dict, dist: Any, r: int) -> None:
             True,
         )
     g = dist.new_group([1, 2])
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    _check(problems, "group == NON_GROUP_MEMBER where this rank is not in it", g == outside, r not in (1, 2))
+    _check(problems, "group != NON_GROUP_MEMBER where it is", g != outside, r in (1, 2))
+    world = dist.group.WORLD
+    _check(problems, "the world is not NON_GROUP_MEMBER", (world == outside, world != outside), (False, True))
     cur, groups = dist.new_subgroups(1, group=g)
     _check(problems, "new_subgroups of a group", [dist.get_process_group_ranks(s) for s in groups], [[1], [2]])
     _check(
