@@ -185,8 +185,8 @@ def ready_rest(g: ProcessGroup, call: str, p: Any, out: Any, seq: int, slot: int
 
 
 def _native_front() -> Any:
-    """The C module (its ``rooted`` and ``paired``: :func:`ready_rooted` / :func:`ready_paired`, the list checks
-    and :func:`run_ready` in one C call, ~0.2-0.5 us less per small call), set up with the group layer's
+    """The C module (its front doors ``summed``, ``rooted``, ``paired``, ``plain`` and ``peer``: the checks, the
+    lookup and :func:`run_ready` in one C call, ~0.2-0.5 us less per small call), set up with the group layer's
     objects; None where it was not built, ``COMMLIB_NATIVE=0``, numpy lays out its arrays otherwise, or the
     C clock would differ from the ring's."""
     if not native() or _now is not time.perf_counter_ns:
@@ -227,8 +227,8 @@ peer_c: Any = None if _front is None else _front.peer
 
 def ready_op(g: ProcessGroup, table: str, key: tuple) -> Any:
     """The ready operation of ``table`` for ``key`` when ``g`` may run it now (else None: the generic path).
-    The Python path's lookup; the C front doors (:data:`rooted_c`, :data:`paired_c`, :data:`plain_c`,
-    :data:`peer_c`) do it themselves, and send/recv's Python fallback inlines it."""
+    The Python path's lookup; the C front doors (:data:`summed_c`, :data:`rooted_c`, :data:`paired_c`,
+    :data:`plain_c`, :data:`peer_c`) do it themselves, and send/recv's Python fallback inlines it."""
     ready = g.ready
     return None if ready is None or g.pending else ready[table].get(key)
 

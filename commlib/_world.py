@@ -325,13 +325,18 @@ class _NonGroupMember:
     :func:`get_rank` is -1 (as torch's ``get_rank`` of a group one is not in), so ``group ==
     GroupMember.NON_GROUP_MEMBER`` reads the same under either (an ``is`` test cannot)."""
 
-    __hash__ = object.__hash__
+    __hash__ = object.__hash__  # for == and != only: a set or dict of groups does not find it
 
     def __eq__(self, other: object) -> bool:
-        return other is self or (isinstance(other, ProcessGroup) and other.rank < 0)
+        if other is self:
+            return True
+        if isinstance(other, ProcessGroup):
+            return other.rank < 0
+        return NotImplemented
 
     def __ne__(self, other: object) -> bool:
-        return not self == other
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
 
     def __repr__(self) -> str:
         return "GroupMember.NON_GROUP_MEMBER"

@@ -556,8 +556,10 @@ static PyObject *s_sums, *s_all_reduce, *fr_sum; /* fr_sum: ReduceOp.SUM */
 
 /* The group layer's objects keep their state in __slots__: o.name read (or written) straight from o's struct
  * at the slot's offset, cached per (type, name) in a small table that holds the type (so its address is never
- * reused), instead of PyObject_GetAttr's lookups (~20 ns each, a dozen a call). A name that is not a plain
- * slot of the type (off -1) goes through PyObject_GetAttr/SetAttr, as does a slot not set yet. */
+ * reused), instead of PyObject_GetAttr's lookups (~20 ns each, a dozen a call). Only where Python would do the
+ * same: the type's generic getattr/setattr, a plain writable object slot of a class in the type's MRO, and the
+ * type unchanged since (its version tag, which CPython resets when a class changes). Anything else (off -1), or
+ * a slot not set yet, goes through PyObject_GetAttr/SetAttr. */
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 #define SLOT_CACHE 64 /* entries; a pair lives in one of PROBES after its hash (no two pairs evict each other) */
 #define PROBES 4
@@ -565,35 +567,57 @@ static struct {
     PyTypeObject *type;
     PyObject *name;
     Py_ssize_t off;
+    unsigned int version; /* the type's tp_version_tag when cached */
 } slot_cache[SLOT_CACHE];
+
+/* name's offset in o's type when Python's o.name would read (and write) just that slot; else -1 */
+static Py_ssize_t
+slot_offset(PyTypeObject *type, PyObject *name)
+{
+    if (type->tp_getattro != PyObject_GenericGetAttr || type->tp_setattro != PyObject_GenericSetAttr)
+        return -1;
+    PyObject *d = PyObject_GetAttr((PyObject *)type, name);
+    Py_ssize_t off = -1;
+    if (d == NULL)
+        PyErr_Clear(); /* not an attribute of the type (or its lookup failed): the generic path decides */
+    else if (Py_IS_TYPE(d, &PyMemberDescr_Type) && PyType_IsSubtype(type, PyDescr_TYPE(d))) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY) && m->offset >= (Py_ssize_t)sizeof(PyObject) &&
+            m->offset + (Py_ssize_t)sizeof(PyObject *) <= type->tp_basicsize)
+            off = m->offset;
+    }
+    Py_XDECREF(d);
+    return off;
+}
 
 static Py_ssize_t
 slot_of(PyObject *o, PyObject *name)
 {
     PyTypeObject *type = Py_TYPE(o);
+    int current = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG);
     size_t h = ((uintptr_t)type >> 4) * 31u + ((uintptr_t)name >> 4), i, free = SLOT_CACHE;
     for (i = 0; i < PROBES; i++) {
         size_t at = (h + i) % SLOT_CACHE;
-        if (slot_cache[at].type == type && slot_cache[at].name == name)
-            return slot_cache[at].off;
+        if (slot_cache[at].type == type && slot_cache[at].name == name) {
+            if (current && slot_cache[at].version == type->tp_version_tag)
+                return slot_cache[at].off;
+            free = at; /* the class changed since: look again, in place */
+            break;
+        }
         if (slot_cache[at].type == NULL && free == SLOT_CACHE)
             free = at;
     }
-    PyObject *d = PyObject_GetAttr((PyObject *)type, name);
-    Py_ssize_t off = -1;
-    if (d == NULL)
-        PyErr_Clear();
-    else if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
-        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-        if (m->type == T_OBJECT_EX && !(m->flags & READONLY))
-            off = m->offset;
-    }
-    Py_XDECREF(d);
+    Py_ssize_t off = slot_offset(type, name); /* its lookup gives the type a version tag */
+    if (!PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
+        return -1; /* none to check later: not cached */
     size_t at = free < SLOT_CACHE ? free : h % SLOT_CACHE; /* all taken: the first is replaced */
+    PyTypeObject *old = slot_cache[at].type;
     Py_INCREF(type);
-    Py_XSETREF(slot_cache[at].type, type);
+    slot_cache[at].type = type;
     slot_cache[at].name = name; /* interned and kept for good (the s_* names) */
     slot_cache[at].off = off;
+    slot_cache[at].version = type->tp_version_tag;
+    Py_XDECREF(old); /* last: a finalizer it runs sees a whole entry */
     return off;
 }
 
