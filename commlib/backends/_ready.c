@@ -808,7 +808,7 @@ ready_for(PyObject *group, PyObject *table, PyObject *tensor, PyObject *a, PyObj
     return verdict;
 }
 
-/* The end of rooted() and paired(): where verdict is 1 run p (run_recorded); release g and p; answer True
+/* The end of every front door but peer(): where verdict is 1 run p (run_recorded); release g and p; answer True
  * (ran), False (verdict 0: the generic path) or NULL (-1: an error raised). */
 static PyObject *
 answer(int verdict, PyObject *g, PyObject *call, PyObject *p, PyObject *inp, PyObject *out)
@@ -833,12 +833,33 @@ arity(Py_ssize_t nargs, Py_ssize_t want, const char *usage)
     return -1;
 }
 
+/* A front door: a METH_FASTCALL function of the module taking exactly `n` arguments (after setup_rooted(); else a
+ * TypeError giving `usage`), documented as `usage` then `doc` (DOOR_METHOD makes its entry in the module's table).
+ * FRONT_DOOR(name, n, usage, doc) { body } defines name() and its body, which reads args[0] to args[n - 1]; the body
+ * has one caller and is inlined. */
+#define FRONT_DOOR(name, n, usage, doc)                                                                             \
+    PyDoc_STRVAR(name##_doc, usage doc);                                                                            \
+    static inline PyObject *name##_body(PyObject *const *args);                                                     \
+    static PyObject *name(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)                     \
+    {                                                                                                               \
+        return arity(nargs, n, usage) < 0 ? NULL : name##_body(args);                                               \
+    }                                                                                                               \
+    static inline PyObject *name##_body(PyObject *const *args)
+#define DOOR_METHOD(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, name##_doc}
+
+/* ready_for() then answer(): the doors whose operation needs nothing more than its key. */
 static PyObject *
-rooted(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+ready_answer(PyObject *group, PyObject *table, PyObject *tensor, PyObject *call, PyObject *inp, PyObject *out)
 {
-    (void)module;
-    if (arity(nargs, 8, "rooted(call, tensor, root, group, group_root, async_op, mode, items)") < 0)
-        return NULL;
+    PyObject *g, *p;
+    int verdict = ready_for(group, table, tensor, NULL, NULL, &g, &p);
+    return answer(verdict, g, call, p, inp, out);
+}
+
+FRONT_DOOR(rooted, 8, "rooted(call, tensor, root, group, group_root, async_op, mode, items)",
+           " -> bool | None: a blocking broadcast/reduce (mode 0), gather (1) or scatter (2) through the group's "
+           "ready operation (see the source)")
+{
     PyObject *call = args[0], *tensor = args[1], *root = args[2], *items = args[7];
     long mode = PyLong_AsLong(args[6]);
     int async_op = PyObject_IsTrue(args[5]);
@@ -883,12 +904,10 @@ int_tuple(PyObject *sizes)
 /* paired(call, table, output, input, group, async_op, input_splits, output_splits): all_gather, reduce_scatter
  * (SUM), all_to_all (splits None) and the uneven all_to_all (splits: lists of ints) through the group's ready
  * operation, as commlib._collectives.ready_paired and run_ready do: True ran it, False the generic path. */
-static PyObject *
-paired(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+FRONT_DOOR(paired, 8, "paired(call, table, output, input, group, async_op, input_splits, output_splits)",
+           " -> bool: a blocking all_gather, reduce_scatter or all_to_all through the group's ready operation "
+           "(see the source)")
 {
-    (void)module;
-    if (arity(nargs, 8, "paired(call, table, output, input, group, async_op, input_splits, output_splits)") < 0)
-        return NULL;
     PyObject *call = args[0], *output = args[2], *input = args[3], *ins = args[6], *outs = args[7];
     int async_op = PyObject_IsTrue(args[5]);
     if (async_op < 0)
@@ -928,46 +947,33 @@ paired(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* plain(call, group): a call without arrays (barrier) through the group's ready operation, as the Python
  * preamble of commlib._barrier.barrier and run_ready do: True ran it, False the generic path. */
-static PyObject *
-plain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+FRONT_DOOR(plain, 2, "plain(call, group)",
+           " -> bool: a barrier through the group's ready operation (see the source)")
 {
-    (void)module;
-    if (arity(nargs, 2, "plain(call, group)") < 0)
-        return NULL;
-    PyObject *g, *p;
-    int verdict = ready_for(args[1], args[0], NULL, NULL, NULL, &g, &p);
-    return answer(verdict, g, args[0], p, Py_None, Py_None);
+    return ready_answer(args[1], args[0], NULL, args[0], Py_None, Py_None);
 }
 
 /* summed(tensor, op, group, async_op): a blocking in-place SUM all_reduce of a numpy array through the group's
  * ready operation (Backend.sums, keyed by shape and dtype), as commlib._collectives.all_reduce's Python fast
  * path and run_ready do (numbered and recorded): True ran it, False the generic path. */
-static PyObject *
-summed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+FRONT_DOOR(summed, 4, "summed(tensor, op, group, async_op)",
+           " -> bool: a blocking SUM all_reduce through the group's ready operation (see the source)")
 {
-    (void)module;
-    if (arity(nargs, 4, "summed(tensor, op, group, async_op)") < 0)
-        return NULL;
     PyObject *tensor = args[0];
     int async_op = PyObject_IsTrue(args[3]);
     if (async_op < 0)
         return NULL;
     if (async_op || args[1] != fr_sum || Py_TYPE(tensor) != array_type || (ARRAY_FLAGS(tensor) & CARRAY) != CARRAY)
         Py_RETURN_FALSE;
-    PyObject *g, *p;
-    int verdict = ready_for(args[2], NULL, tensor, NULL, NULL, &g, &p);
-    return answer(verdict, g, s_all_reduce, p, tensor, tensor);
+    return ready_answer(args[2], NULL, tensor, s_all_reduce, tensor, tensor);
 }
 
 /* peer(call, tensor, peer, group, tag, group_peer): a blocking send or recv (call "send" or "recv") of a numpy
  * array to or from a global rank through the group's ready operation, as commlib._p2p's Python fallback does
  * (point to point: neither numbered nor recorded): True ran it, False the generic path. */
-static PyObject *
-peer(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+FRONT_DOOR(peer, 6, "peer(call, tensor, peer, group, tag, group_peer)",
+           " -> bool: a blocking send or recv through the group's ready operation (see the source)")
 {
-    (void)module;
-    if (arity(nargs, 6, "peer(call, tensor, peer, group, tag, group_peer)") < 0)
-        return NULL;
     PyObject *call = args[0], *tensor = args[1], *who = args[2], *tag = args[4];
     int sending = PyUnicode_CheckExact(call) && PyUnicode_CompareWithASCIIString(call, "send") == 0;
     int want = sending ? C_CONTIGUOUS : CARRAY; /* a send only reads its tensor */
@@ -1055,20 +1061,11 @@ static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS,
      "setup(MPI_Start, MPI_Startall, MPI_Test, MPI_Testall, sizeof(MPI_Request), sizeof(MPI_Status), MPI.Exception, "
      "spread, pack, MPI.Request, offset of a Request's handle)"},
-    {"rooted", (PyCFunction)(void (*)(void))rooted, METH_FASTCALL,
-     "rooted(call, tensor, root, group, group_root, async_op, mode, items) -> bool | None: a blocking "
-     "broadcast/reduce (mode 0), gather (1) or scatter (2) through the group's ready operation (see the source)"},
-    {"paired", (PyCFunction)(void (*)(void))paired, METH_FASTCALL,
-     "paired(call, table, output, input, group, async_op, input_splits, output_splits) -> bool: a blocking "
-     "all_gather, reduce_scatter or all_to_all through the group's ready operation (see the source)"},
-    {"plain", (PyCFunction)(void (*)(void))plain, METH_FASTCALL,
-     "plain(call, group) -> bool: a barrier through the group's ready operation (see the source)"},
-    {"summed", (PyCFunction)(void (*)(void))summed, METH_FASTCALL,
-     "summed(tensor, op, group, async_op) -> bool: a blocking SUM all_reduce through the group's ready operation "
-     "(see the source)"},
-    {"peer", (PyCFunction)(void (*)(void))peer, METH_FASTCALL,
-     "peer(call, tensor, peer, group, tag, group_peer) -> bool: a blocking send or recv through the group's ready "
-     "operation (see the source)"},
+    DOOR_METHOD(rooted),
+    DOOR_METHOD(paired),
+    DOOR_METHOD(plain),
+    DOOR_METHOD(summed),
+    DOOR_METHOD(peer),
     {"setup_rooted", setup_rooted, METH_VARARGS,
      "setup_rooted(world state, ProcessGroup, ring starts, ring ends, ring slots, rest, ReduceOp.SUM), after "
      "setup_array()"},
