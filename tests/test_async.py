@@ -190,3 +190,40 @@ def test_torch_cpu_tensors_zero_copy(n: int) -> None:
     pytest.importorskip("torch")
     for checks in run(torch_job, n, timeout=90):
         assert checks and all(checks), checks
+
+
+def grad_job() -> list:
+    import torch
+
+    import commlib as dist
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(me)  # every rank starts from other weights
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():  # torch scripts' way of making the replicas start alike
+        for p in model.parameters():
+            dist.broadcast(p, src=0)
+    mine = [p.detach().clone() for p in model.parameters()]
+    firsts = [None] * n
+    dist.all_gather_object(firsts, [p.tolist() for p in mine])
+    leaf = torch.full((4,), float(me + 1), requires_grad=True)
+    dist.all_reduce(leaf)  # outside no_grad too, as torch.distributed takes it
+    model(torch.ones(1, 3)).sum().backward()
+    checks = {
+        "parameters alike": all(f == firsts[0] for f in firsts),
+        "still require grad": all(p.requires_grad for p in model.parameters()),
+        "gradients flow": all(p.grad is not None for p in model.parameters()),
+        "leaf summed": leaf.tolist() == [float(n * (n + 1) // 2)] * 4 and leaf.requires_grad,
+    }
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.complex64).conj())
+        checks["conjugate view refused"] = False
+    except TypeError as e:
+        checks["conjugate view refused"] = f"[rank {me}/{n}] all_reduce: tensor: " in str(e) and "conjugate" in str(e)
+    return [checks]
+
+
+def test_tensors_that_require_grad_are_moved_as_torch_distributed_moves_them() -> None:
+    pytest.importorskip("torch")
+    for (checks,) in run(grad_job, 2, timeout=90):
+        assert checks and all(checks.values()), checks

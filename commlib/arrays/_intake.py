@@ -57,6 +57,10 @@ def _host_view(obj: object, where: str, arg: str) -> np.ndarray:
 
         try:
             return host_view(obj)
+        except BufferError as e:  # DLPack's refusals (torch: a tensor that requires grad, a conjugate view)
+            if _requires_grad(obj):
+                return host_view(obj.detach())  # type: ignore[attr-defined]
+            raise TypeError(f"{where}: {arg}: {e}") from None
         except TypeError as e:
             raise TypeError(f"{where}: {arg}: {e}") from None
     raise TypeError(
@@ -65,12 +69,21 @@ def _host_view(obj: object, where: str, arg: str) -> np.ndarray:
     )
 
 
+def _requires_grad(obj: object) -> bool:
+    """A torch tensor that requires grad: collectives move its data in place, as torch.distributed's do, through
+    ``obj.detach()`` (the same memory; DLPack and ``__cuda_array_interface__`` refuse the tensor itself)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor) and obj.requires_grad
+
+
 def device_array(obj: object, ctx: Any, call: str, arg: str, writable: bool = True) -> Any:
     """``obj`` as a contiguous cupy array sharing its device memory (cupy, torch CUDA, any CUDA array)."""
     import cupy
 
     where = f"{ctx.label}{call}"
-    if not hasattr(obj, "__cuda_array_interface__") and not isinstance(obj, cupy.ndarray):
+    if not isinstance(obj, cupy.ndarray) and _requires_grad(obj):
+        obj = obj.detach()  # type: ignore[attr-defined]
+    if not isinstance(obj, cupy.ndarray) and not hasattr(obj, "__cuda_array_interface__"):
         raise TypeError(
             f"{where}: {arg} must be a GPU array for the nccl backend (cupy array, torch CUDA tensor, or any "
             f"__cuda_array_interface__ exporter), got {type(obj).__module__}.{type(obj).__qualname__}; "
