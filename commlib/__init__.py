@@ -8,6 +8,8 @@ group from the launcher's environment (``mpiexec``, ``srun``, ``commlib.launch``
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from commlib import env
 from commlib._barrier import barrier, monitored_barrier
 from commlib._collectives import (
@@ -34,6 +36,7 @@ from commlib._objects import (
 from commlib._ops import ReduceOp
 from commlib._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from commlib._world import (
+    DEFAULT_TIMEOUT,
     GroupMember,
     destroy_process_group,
     get_backend,
@@ -56,21 +59,31 @@ from commlib.errors import (
     CollectiveMismatchError,
     CommError,
     CommTimeoutError,
+    DistBackendError,
+    DistError,
     GroupBrokenError,
 )
+from commlib.store import FileStore, PrefixStore, Store, TCPStore
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backend",
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",
+    "DistBackendError",
+    "DistError",
+    "FileStore",
     "GroupBrokenError",
     "GroupMember",
     "P2POp",
+    "PrefixStore",
     "ProcessGroup",
     "ReduceOp",
+    "Store",
+    "TCPStore",
     "Work",
     "all_gather",
     "all_gather_into_tensor",
@@ -83,6 +96,7 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
+    "default_pg_timeout",
     "destroy_process_group",
     "env",
     "gather",
@@ -99,6 +113,7 @@ __all__ = [
     "irecv",
     "is_available",
     "is_backend_available",
+    "is_gloo_available",
     "is_initialized",
     "is_mpi_available",
     "is_nccl_available",
@@ -139,6 +154,33 @@ def is_nccl_available() -> bool:
     from commlib.backends.nccl import nccl_unavailable_reason
 
     return emulated() or nccl_unavailable_reason() is None
+
+
+def is_gloo_available() -> bool:
+    """torch's name: True when ``backend="gloo"`` can run here (commlib runs it on its mpi backend)."""
+    return is_mpi_available()
+
+
+#: torch's default timeout for a process group other than nccl's (30 minutes); commlib's for the mpi backend.
+default_pg_timeout = timedelta(seconds=DEFAULT_TIMEOUT["mpi"])
+
+
+class Backend(str):
+    """torch's ``Backend``: the names ``init_process_group`` takes, as constants (``Backend.GLOO == "gloo"``).
+
+    ``Backend(name)`` gives the lower-case name, as torch's does; commlib runs ``"gloo"`` (and ``"cpu"``) on its
+    mpi backend, so :func:`get_backend` then says ``"mpi"``.
+    """
+
+    UNDEFINED = "undefined"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    MPI = "mpi"
+
+    def __new__(cls, name: str) -> str:  # type: ignore[misc]
+        if not isinstance(name, str):
+            raise ValueError(f"Backend: the name must be a str, got {name!r}")
+        return name.lower()
 
 
 def is_backend_available(backend: str) -> bool:

@@ -12,6 +12,8 @@ __all__ = [
     "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",
+    "DistBackendError",
+    "DistError",
     "GroupBrokenError",
     "TransportError",
 ]
@@ -44,3 +46,8 @@ class TransportError(CommError):
 
 class BackendUnavailableError(CommError):
     """The requested backend cannot run here (missing package, no GPU, no MPI launcher)."""
+
+
+#: torch.distributed's names: ``except dist.DistError`` (or ``dist.DistBackendError``) catches every failure
+#: between ranks, as it does in a torch script (commlib's are all :class:`CommError`).
+DistError = DistBackendError = CommError

@@ -1,7 +1,8 @@
 """torch.distributed names beyond the reference list that torch scripts use, so that switching the import
 keeps them running: ``group.WORLD``/``GroupMember.WORLD``/``GroupMember.NON_GROUP_MEMBER``,
 ``send_object_list``/``recv_object_list``, ``new_subgroups``, ``new_subgroups_by_enumeration``,
-``get_node_local_rank``, ``is_torchelastic_launched``, ``is_backend_available``.
+``get_node_local_rank``, ``is_torchelastic_launched``, ``is_backend_available``, ``is_gloo_available``, ``Backend``,
+``default_pg_timeout``, ``DistError``/``DistBackendError`` and the stores.
 
 Each job returns ``{scenario: problem}`` (empty when every scenario held), so a failure names them.
 """
@@ -15,11 +16,13 @@ import pytest
 from reference import BACKENDS
 
 import commlib
+import commlib.store
 from commlib.testing import run
 
 NEW_NAMES = [
     "get_node_local_rank",
     "is_backend_available",
+    "is_gloo_available",
     "is_torchelastic_launched",
     "new_subgroups",
     "new_subgroups_by_enumeration",
@@ -36,6 +39,35 @@ def test_signature_is_torchs(name: str) -> None:
         (p.name, p.default) for p in theirs.parameters.values()
     ]
     assert name in commlib.__all__
+
+
+@pytest.mark.parametrize("name", ["GLOO", "NCCL", "MPI", "UNDEFINED"])
+def test_backend_constants_are_torchs(name: str) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    assert getattr(commlib.Backend, name) == getattr(dist.Backend, name)
+    assert commlib.Backend(name) == dist.Backend(name) == name.lower()
+    assert type(commlib.Backend(name)) is str
+
+
+def test_values_and_classes_torch_scripts_use() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    problems = {}
+    if commlib.default_pg_timeout != dist.default_pg_timeout:
+        problems["default_pg_timeout"] = (commlib.default_pg_timeout, dist.default_pg_timeout)
+    if commlib.is_gloo_available() != commlib.is_backend_available(commlib.Backend.GLOO):
+        problems["is_gloo_available"] = commlib.is_gloo_available()
+    for name in ("DistError", "DistBackendError"):  # an except clause of a torch script catches commlib's failures
+        if not (
+            issubclass(commlib.CommTimeoutError, getattr(commlib, name))
+            and issubclass(getattr(commlib, name), RuntimeError)
+        ):
+            problems[name] = getattr(commlib, name).__mro__
+    for name in ("Store", "TCPStore", "FileStore", "PrefixStore"):
+        if getattr(commlib, name) is not getattr(commlib.store, name):
+            problems[name] = getattr(commlib, name)
+    with pytest.raises(ValueError, match="Backend: the name must be a str, got 3"):
+        commlib.Backend(3)  # type: ignore[arg-type]
+    assert problems == {}
 
 
 def test_names_before_init() -> None:
