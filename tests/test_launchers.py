@@ -187,3 +187,14 @@ def test_a_rank_that_dies_while_the_mpi_processes_join_is_a_timeout(when: str, t
     said = "rank 2 did not connect within" if when == "before connecting" else "rank 2 connected but did not greet"
     assert all(said in e for e in errs[:2]), errs
     assert took < 30, took  # generous for a loaded machine: the point is "not a hang"
+
+
+def test_commlib_launch_refuses_a_missing_script_and_its_help_says_the_defaults() -> None:
+    proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "no_such_script.py"], timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.strip().endswith(
+        "error: no_such_script.py: no such file (a module runs with -m, a program with --no_python)"
+    ), proc.stderr
+    shown = " ".join(_run([sys.executable, "-m", "commlib.launch", "--help"], timeout=60).stdout.split())
+    for text in ("(default: 1)", "(default: 127.0.0.1)", "(default: 29500)", "cpu (one per CPU core)", "LOCAL_RANK"):
+        assert text in shown, (text, shown)

@@ -42,18 +42,40 @@ def _nproc(value: str) -> int:
     return n
 
 
+_EPILOG = """\
+examples:
+  python -m commlib.launch --nproc_per_node 2 train.py --epochs 3
+  python -m commlib.launch --nproc_per_node 2 -m commlib.demo
+  python -m commlib.launch --nnodes 2 --node_rank 0 --master_addr 10.0.0.1 --nproc_per_node 4 train.py  # on node 0
+  python -m commlib.launch --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 --nproc_per_node 4 train.py  # on node 1
+
+each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK (= GROUP_RANK), NNODES,
+MASTER_ADDR and MASTER_PORT (torchrun's variables); init_process_group() reads them.
+"""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the launcher's command line (OneFlow's flags, plus torchrun's --standalone)."""
     p = argparse.ArgumentParser(
         prog="python -m commlib.launch",
         description="Start one worker per rank on this machine (OneFlow's launcher flags).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
     )
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes; start the launcher once on each")
-    p.add_argument("--node_rank", type=int, default=0, help="rank of this node, 0 .. nnodes-1")
-    p.add_argument("--nproc_per_node", type=_nproc, default=1, help="workers on this node: N, auto or cpu")
-    p.add_argument("--master_addr", default="127.0.0.1", help="address of node 0 (MASTER_ADDR)")
-    p.add_argument("--master_port", type=int, default=29500, help="free port on node 0 (MASTER_PORT)")
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="number of nodes; start the launcher once on each (default: %(default)s)"
+    )
+    p.add_argument("--node_rank", type=int, default=0, help="rank of this node, 0 .. nnodes-1 (default: %(default)s)")
+    p.add_argument(
+        "--nproc_per_node",
+        type=_nproc,
+        default=1,
+        help="workers on this node: N, auto or cpu (one per CPU core), gpu (one per GPU) (default: %(default)s)",
+    )
+    p.add_argument("--master_addr", default="127.0.0.1", help="address of node 0, MASTER_ADDR (default: %(default)s)")
+    p.add_argument(
+        "--master_port", type=int, default=29500, help="free port on node 0, MASTER_PORT (default: %(default)s)"
+    )
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module, like python -m")
     p.add_argument("--no_python", action="store_true", help="run the script as a program, without python")
     p.add_argument(
@@ -67,7 +89,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="folder for per-rank output (default: ./log) and, when given, flight recorder dumps (<logdir>/flight)",
     )
     p.add_argument("--standalone", action="store_true", help="single-node job on localhost (torchrun's flag)")
-    p.add_argument("--max_restarts", type=int, default=0, help="restart every worker up to N times after a failure")
+    p.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart every worker up to N times after a failure (default: %(default)s)",
+    )
     p.add_argument("training_script", help="the script (or module with -m, or program with --no_python)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = p.parse_args(argv)
@@ -81,6 +108,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--standalone is a single-node job; drop --nnodes")
     if args.module and args.no_python:
         p.error("-m/--module and --no_python cannot be combined")
+    if not (args.module or args.no_python or os.path.isfile(args.training_script)):
+        p.error(f"{args.training_script}: no such file (a module runs with -m, a program with --no_python)")
     return args
 
 
