@@ -19,6 +19,7 @@ DETAIL = {"COMMLIB_DEBUG": "DETAIL"}
 def detail_job() -> dict:
     """Matching calls pass the check; rank 1 calling all_gather, or a different shape, fails on every rank."""
     import commlib as dist
+    from commlib._diagnostics import flight
     from commlib.errors import CollectiveMismatchError, GroupBrokenError
 
     me, n = dist.get_rank(), dist.get_world_size()
@@ -46,6 +47,8 @@ def detail_job() -> dict:
             out[case] = ("no error",)
         except CollectiveMismatchError as e:
             out[case] = (type(e).__name__, str(e), time.monotonic() - start)
+        last = [(e["op"], e["seq"], e["state"]) for e in flight.entries() if e["group"] == g.name][-1:]
+        out[f"{case} recorded"] = last  # the call this rank was making, for dumps and the launcher's summary
         try:
             dist.barrier(group=g)
         except GroupBrokenError as e:
@@ -68,6 +71,8 @@ def test_detail_lists_every_ranks_call(backend: str) -> None:
         ), message
         assert waited < 5, waited  # found by the check, not by a timeout
         assert "failed earlier and cannot be used" in later, later
+        assert res["op recorded"] == [("all_gather" if rank == 1 else "all_reduce", 1, "failed")], res
+        assert res["shape recorded"] == [("all_reduce", 1, "failed")], res
         kind, message, _, _ = res["shape"]
         assert kind == "CollectiveMismatchError", res["shape"]
         assert "rank 1: all_reduce(seq 1, float32[8], SUM)" in message, message

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from commlib._diagnostics import flight
 from commlib.arrays import to_device, to_host
 from commlib.errors import CollectiveMismatchError
 
@@ -73,5 +74,8 @@ def check(g: Any, call: str, a: Any = None, op: Any = None, root: int | None = N
         f"(COMMLIB_DEBUG=DETAIL): {listing}; the group is now unusable"
     )
     err.calls = {g.ranks[p]: c for p, c in enumerate(calls)}  # type: ignore[attr-defined]
+    # the call never started, but a dump (and the launcher's summary) should say which one this rank was making
+    slot = flight.ring.start(g, call, None if a is None else a.dtype, 0 if a is None else a.size, g.seq + 1)
+    flight.ring.end(slot, g, g.seq + 1, ok=False)
     g.mark_broken(err)
     raise err

@@ -14,6 +14,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 
@@ -101,5 +102,18 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the user's first frame on: this module's and runpy's frames say nothing to the user."""
+    ours = {__file__, "<frozen runpy>", runpy.__file__}
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    return tb
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except Exception as e:  # as Python ends on an uncaught exception (hook, exit status 1), without our frames
+        e.__traceback__ = _user_frames(e.__traceback__)  # the hook prints the exception's own traceback
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
