@@ -80,19 +80,25 @@ def device_array(obj: object, ctx: Any, call: str, arg: str, writable: bool = Tr
     """``obj`` as a contiguous cupy array sharing its device memory (cupy, torch CUDA, any CUDA array)."""
     import cupy
 
-    where = f"{ctx.label}{call}"
-    if not isinstance(obj, cupy.ndarray) and _requires_grad(obj):
+    a = obj if isinstance(obj, cupy.ndarray) else _device_view(obj, f"{ctx.label}{call}", arg)
+    if a.dtype not in DTYPES or not a.flags.c_contiguous:
+        reject(a, f"{ctx.label}{call}", arg, writable=False)  # device memory has no read-only flag to check
+    return a
+
+
+def _device_view(obj: object, where: str, arg: str) -> Any:
+    """A zero-copy cupy view of any other CUDA array (a torch tensor that requires grad: of its detached view)."""
+    import cupy
+
+    if _requires_grad(obj):
         obj = obj.detach()  # type: ignore[attr-defined]
-    if not isinstance(obj, cupy.ndarray) and not hasattr(obj, "__cuda_array_interface__"):
+    if not hasattr(obj, "__cuda_array_interface__"):
         raise TypeError(
             f"{where}: {arg} must be a GPU array for the nccl backend (cupy array, torch CUDA tensor, or any "
             f"__cuda_array_interface__ exporter), got {type(obj).__module__}.{type(obj).__qualname__}; "
             "host arrays go through backend='mpi'"
         )
-    a = obj if isinstance(obj, cupy.ndarray) else cupy.asarray(obj)  # zero-copy view of the interface
-    if a.dtype not in DTYPES or not a.flags.c_contiguous:
-        reject(a, where, arg, writable=False)  # device memory has no read-only flag to check
-    return a
+    return cupy.asarray(obj)
 
 
 def reject(a: Any, where: str, arg: str, writable: bool) -> Any:
