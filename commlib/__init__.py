@@ -158,7 +158,7 @@ def is_nccl_available() -> bool:
 
 def is_gloo_available() -> bool:
     """torch's name: True when ``backend="gloo"`` can run here (commlib runs it on its mpi backend)."""
-    return is_mpi_available()
+    return is_backend_available(Backend.GLOO)
 
 
 #: torch's default timeout for a process group other than nccl's (30 minutes); commlib's for the mpi backend.

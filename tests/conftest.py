@@ -13,4 +13,5 @@ os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP  # every rank and launche
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+    if exitstatus == 0:  # a failed session keeps its folder (tmp_path, dumps) to look into
+        shutil.rmtree(_SESSION_TMP, ignore_errors=True)

@@ -215,11 +215,12 @@ def grad_job() -> list:
         "gradients flow": all(p.grad is not None for p in model.parameters()),
         "leaf summed": leaf.tolist() == [float(n * (n + 1) // 2)] * 4 and leaf.requires_grad,
     }
-    try:
-        dist.all_reduce(torch.ones(2, dtype=torch.complex64).conj())
-        checks["conjugate view refused"] = False
-    except TypeError as e:
-        checks["conjugate view refused"] = f"[rank {me}/{n}] all_reduce: tensor: " in str(e) and "conjugate" in str(e)
+    for name, grad in (("conjugate view refused", False), ("conjugate view that requires grad refused", True)):
+        try:
+            dist.all_reduce(torch.ones(2, dtype=torch.complex64, requires_grad=grad).conj())
+            checks[name] = False
+        except TypeError as e:
+            checks[name] = f"[rank {me}/{n}] all_reduce: tensor: " in str(e) and "conjugate" in str(e)
     return [checks]
 
 

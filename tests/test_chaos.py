@@ -187,8 +187,9 @@ def test_uncaught_exception_is_named_by_the_survivors(tmp_path: Path) -> None:
         assert "GroupBrokenError" in text and "rank 1 failed with ValueError: chaos: rank gave up on purpose" in text
     assert "commlib.launch: rank 1 failed (exit code 1: ValueError" in err, err
     # rank 1's traceback starts at the user's script: the launcher's own frames (bootstrap, runpy) are left out
-    tb = err.split("[1] Traceback (most recent call last):", 1)[1].splitlines()
-    assert tb[1].startswith(f'[1]   File "{script}", line '), err
+    ones = [line for line in err.splitlines() if line.startswith("[1] ")]
+    tb = ones[ones.index("[1] Traceback (most recent call last):") + 1 :]
+    assert tb[0].startswith(f'[1]   File "{script}", line '), err
     assert "_bootstrap.py" not in err and "runpy" not in err, err
     assert _no_orphans(script.name) == []
 

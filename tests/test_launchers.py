@@ -193,7 +193,7 @@ def test_commlib_launch_refuses_a_missing_script_and_its_help_says_the_defaults(
     proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "2", "no_such_script.py"], timeout=60)
     assert proc.returncode == 2 and proc.stdout == "", proc
     assert proc.stderr.strip().endswith(
-        "error: no_such_script.py: no such file (a module runs with -m, a program with --no_python)"
+        "error: no_such_script.py: no such file or folder (a module runs with -m, a program with --no_python)"
     ), proc.stderr
     shown = " ".join(_run([sys.executable, "-m", "commlib.launch", "--help"], timeout=60).stdout.split())
     for text in ("(default: 1)", "(default: 127.0.0.1)", "(default: 29500)", "cpu (one per CPU core)", "LOCAL_RANK"):

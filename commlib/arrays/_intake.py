@@ -57,12 +57,14 @@ def _host_view(obj: object, where: str, arg: str) -> np.ndarray:
 
         try:
             return host_view(obj)
-        except BufferError as e:  # DLPack's refusals (torch: a tensor that requires grad, a conjugate view)
-            if _requires_grad(obj):
+        except (BufferError, TypeError) as e:  # DLPack's refusals (torch: a tensor that requires grad, a conj view)
+            refusal = e
+        if _requires_grad(obj):
+            try:
                 return host_view(obj.detach())  # type: ignore[attr-defined]
-            raise TypeError(f"{where}: {arg}: {e}") from None
-        except TypeError as e:
-            raise TypeError(f"{where}: {arg}: {e}") from None
+            except (BufferError, TypeError) as e:  # a conjugate view that requires grad, say
+                refusal = e
+        raise TypeError(f"{where}: {arg}: {refusal}") from None
     raise TypeError(
         f"{where}: {arg} must be a numpy array or an object with __dlpack__ "
         f"(e.g. a torch CPU tensor), got {type(obj).__module__}.{type(obj).__qualname__}"
@@ -148,6 +150,8 @@ def as_array(obj: object, *, writable: bool = False, where: str = "commlib.array
     a non-contiguous layout, or (with ``writable``) a read-only array.
     """
     ctx = _Where("")
+    if _requires_grad(obj):  # torch's __cuda_array_interface__ raises for it, even in _on_device's hasattr
+        obj = obj.detach()  # type: ignore[attr-defined]
     if _on_device(obj):
         return device_array(obj, ctx, where, "array", writable)
     return host_array(obj, ctx, where, "array", writable)

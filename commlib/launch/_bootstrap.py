@@ -114,6 +114,6 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except Exception as e:  # as Python ends on an uncaught exception (hook, exit status 1), without our frames
-        e.__traceback__ = _user_frames(e.__traceback__)  # the hook prints the exception's own traceback
+        e.__traceback__ = _user_frames(e.__traceback__) or e.__traceback__  # the hook prints the exception's own
         sys.excepthook(type(e), e, e.__traceback__)
         sys.exit(1)

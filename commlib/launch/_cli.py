@@ -108,8 +108,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--standalone is a single-node job; drop --nnodes")
     if args.module and args.no_python:
         p.error("-m/--module and --no_python cannot be combined")
-    if not (args.module or args.no_python or os.path.isfile(args.training_script)):
-        p.error(f"{args.training_script}: no such file (a module runs with -m, a program with --no_python)")
+    if not (args.module or args.no_python or os.path.exists(args.training_script)):
+        p.error(f"{args.training_script}: no such file or folder (a module runs with -m, a program with --no_python)")
     return args
 
 
