@@ -1,18 +1,32 @@
-"""The one compiled part: commlib.backends._ready, commlib's hot paths in C: the mpi backend's run of a
-persistent operation (copies in and out, start, tests), the spin of a large wait, the group layer's
-ready path of the small calls (checks, lookup, numbering, flight recorder) in one C call each, and a
-large blocking call posted on the caller's arrays and tested in one C call (``_direct.c``).
+"""The one compiled part: commlib.backends._ready, the mpi backend's executor in C (``_steps.c``: a plan of
+``commlib.backends._plans`` run with its messages, stamp checks and reductions in C; ``_ready.c``: the module,
+``spin`` and ``span``).
 
-Optional: without a C compiler the build goes on without it and commlib runs the same steps in Python
-(``commlib.backends._mpi``, ``commlib._collectives``), about a microsecond slower per small call.
+Optional: without a C compiler (or numpy's headers) the build goes on without it and commlib runs the same
+plans in Python (``commlib.backends._steps``), exchanging the same messages, slower per call.
 Everything else about the package is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
 
-SOURCES = ["commlib/backends/_ready.c", "commlib/backends/_direct.c"]
+
+def _numpy_include() -> list[str]:
+    try:
+        import numpy
+    except ImportError:  # no numpy in the build environment: the extension is skipped (it is optional)
+        return []
+    return [numpy.get_include()]
+
+
+SOURCES = ["commlib/backends/_ready.c", "commlib/backends/_steps.c"]
 setup(
     ext_modules=[
-        Extension("commlib.backends._ready", SOURCES, depends=["commlib/backends/_ready.h"], optional=True),
+        Extension(
+            "commlib.backends._ready",
+            SOURCES,
+            depends=["commlib/backends/_ready.h"],
+            include_dirs=_numpy_include(),
+            optional=True,
+        ),
     ]
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from commlib._collectives import plain_c, ready_op, run_ready
+from commlib._collectives import ready_op, run_ready
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._timeouts import as_seconds
@@ -21,10 +21,7 @@ def barrier(
 ) -> Work | None:
     """Wait until every rank of the group has called barrier (``timeout`` overrides the group's)."""
     g = _world.world if group is None else group
-    if timeout is None and not async_op and device_ids is None and plain_c is not None:
-        if plain_c("barrier", group):
-            return None
-    elif (
+    if (
         timeout is None
         and not async_op
         and device_ids is None
@@ -40,8 +37,13 @@ def barrier(
     fused = g.fused.get("barrier") if g.host and not async_op else None
     if fused is None and (async_op or seconds is None):
         return g.issue("barrier", "barrier", (), async_op)
-    g.run("barrier", None, 0, g.timeout if seconds is None else seconds, fused or b.barrier().wait)
+    g.run("barrier", None, 0, g.timeout if seconds is None else seconds, fused or _posted_barrier(b))
     return None
+
+
+def _posted_barrier(b: Any) -> Any:
+    """A barrier posted through its handle, waited for as :meth:`ProcessGroup.run` waits (``(seq, timeout)``)."""
+    return lambda seq, timeout: b.barrier(seq).wait(timeout)
 
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:

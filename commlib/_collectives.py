@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import importlib
-import time
 from typing import Any
 
 import numpy as np
 
 from commlib._diagnostics import flight as _flight
 from commlib._diagnostics.debug import check as check_call
-from commlib._environment import native
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
+from commlib._settings import value as setting
 from commlib._world import _state as _world
 from commlib._world import resolve
 from commlib.arrays import DTYPES, address, op_error, same_kind
-from commlib.arrays._layout import struct_offsets
 
 __all__ = [
     "all_gather",
@@ -107,24 +105,29 @@ def all_reduce(
     tensor: Any, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False
 ) -> Work | None:
     """Reduce ``tensor`` across the group; every rank gets the result in place."""
-    # The common case (a writable contiguous numpy array, SUM, a shape seen before) runs in one C call, or,
-    # without the C module, inline here: this function's own overhead is most of a small all_reduce's latency.
-    if summed_c is not None and summed_c(tensor, op, group, async_op):
-        return None
     g = _world.world if group is None else group
-    # the hottest call: a ready operation for this shape and dtype (Backend.sums), run right here
+    # The common case (a writable contiguous numpy array, SUM, a shape seen before) runs the backend's ready
+    # operation right here (run_ready, inlined): this function's own overhead is most of a small call's latency.
     if (
-        summed_c is None
-        and op is _SUM
+        op is _SUM
         and not async_op
         and type(tensor) is _ndarray
         and type(g) is ProcessGroup
         and (sums := g.sums) is not None
         and not g.pending
-        and tensor.flags.carray
         and (p := sums.get((tensor.shape, tensor.dtype))) is not None
+        and tensor.flags.carray
     ):
-        run_ready(g, "all_reduce", p, tensor, tensor)
+        g.seq = seq = g.seq + 1
+        slot = next(_slots)
+        _starts[slot] = (g, "all_reduce", p.dtype, p.count, seq, _now())
+        try:
+            if p.go(tensor, tensor, seq):
+                _ends[slot] = _now()
+                return None
+        except BaseException as e:
+            ready_rest(g, "all_reduce", p, tensor, seq, slot, e)
+        ready_rest(g, "all_reduce", p, tensor, seq, slot, None)
         return None
     if g is None or type(g) is not ProcessGroup or g.broken is not None or g.backend is None:
         g, _ = resolve(group, "all_reduce")
@@ -142,25 +145,20 @@ def all_reduce(
     return None
 
 
-def run_ready(g: ProcessGroup, call: str, p: Any, inp: Any, out: Any, collective: bool = True) -> None:
-    """Run a ready operation (Backend.sums / residents, a base.Resident) from ``inp`` into ``out``.
+def run_ready(g: ProcessGroup, call: str, p: Any, inp: Any, out: Any) -> None:
+    """Run a ready operation (Backend.sums / residents, a base.Resident) from ``inp`` into ``out``, numbered and
+    recorded as every collective is (:meth:`ProcessGroup.run`).
 
-    The caller checked what the generic path would: the arrays' shapes and dtypes are the entry's key, so
-    the operation's buffers have the shapes of ``inp`` and ``out``. Each is an array, a list of arrays of
-    one shape (scatter's and gather's root lists, in rank order) or None (no input: ``p.send`` is loaded
-    or there is none; no output wanted).
-    A collective is numbered and recorded; a send or receive (``collective=False``) is neither.
+    The caller checked what the generic path would: the arrays' shapes and dtypes are the entry's key. Each of
+    ``inp`` and ``out`` is an array, a list of arrays of one shape (scatter's and gather's root lists, in rank
+    order) or None (no input; no output on this rank).
     """
-    if collective:
-        g.seq = seq = g.seq + 1
-        slot = next(_slots)
-        _starts[slot] = (g, call, p.dtype, p.count, seq, _now())
-    else:
-        seq, slot = 0, -1
+    g.seq = seq = g.seq + 1
+    slot = next(_slots)
+    _starts[slot] = (g, call, p.dtype, p.count, seq, _now())
     try:
-        if p.go(inp, out):  # copy in, start, a few tests: most small calls end here
-            if slot >= 0:
-                _ends[slot] = _now()
+        if p.go(inp, out, seq):  # start, a few tests: most small calls end here
+            _ends[slot] = _now()
             return
     except BaseException as e:
         ready_rest(g, call, p, out, seq, slot, e)
@@ -168,7 +166,8 @@ def run_ready(g: ProcessGroup, call: str, p: Any, inp: Any, out: Any, collective
 
 
 def ready_rest(g: ProcessGroup, call: str, p: Any, out: Any, seq: int, slot: int, exc: BaseException | None) -> None:
-    """run_ready after a ``go()`` that did not complete (``exc`` None: wait, finish) or raised ``exc``."""
+    """run_ready after a ``go()`` that did not complete (``exc`` None: wait, finish) or raised ``exc``; a send or
+    receive (not numbered: ``seq`` 0, ``slot`` -1) too."""
     done = True
     try:
         if exc is not None:
@@ -184,51 +183,8 @@ def ready_rest(g: ProcessGroup, call: str, p: Any, out: Any, seq: int, slot: int
         _ends[slot] = _now()
 
 
-def _native_front() -> Any:
-    """The C module (its front doors ``summed``, ``rooted``, ``paired``, ``plain`` and ``peer``: the checks, the
-    lookup and :func:`run_ready` in one C call, ~0.2-0.5 us less per small call), set up with the group layer's
-    objects; None where it was not built, ``COMMLIB_NATIVE=0``, numpy lays out its arrays otherwise, or the
-    C clock would differ from the ring's."""
-    if not native() or _now is not time.perf_counter_ns:
-        return None
-    if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
-        return None  # the C module stamps CLOCK_MONOTONIC in ns, as perf_counter_ns does on Linux
-    layout = struct_offsets()  # where numpy keeps an array's fields, checked; None: not as the C module reads
-    if layout is None:
-        return None
-    try:
-        module = importlib.import_module("commlib.backends._ready")  # a C module, no MPI; built or not
-    except ImportError:
-        return None
-    if not {"summed", "rooted", "paired", "plain", "peer"} <= set(dir(module)):
-        return None  # a build older than this source (pip install -e . again): the Python paths serve
-    module.setup_array(np.ndarray, *layout)
-    module.setup_rooted(_world, ProcessGroup, _starts, _ends, _slots, ready_rest, _SUM)
-    return module
-
-
-_front = _native_front()
-#: ``summed_c(tensor, op, group, async_op)``: True, ran a blocking SUM all_reduce through the group's ready
-#: operation (as :func:`all_reduce`'s Python fast path and :func:`run_ready`); False, the generic path.
-summed_c: Any = None if _front is None else _front.summed
-#: ``rooted_c(call, tensor, root, group, group_root, async_op, mode, items)``: True, ran a blocking rooted
-#: call (mode 0 in place, 1 gather, 2 scatter) through the group's ready operation; False, the generic path.
-#: None where the C module cannot serve (then :func:`ready_rooted` and :func:`run_ready` do).
-rooted_c: Any = None if _front is None else _front.rooted
-#: ``paired_c(call, table, output, input, group, async_op, input_splits, output_splits)``: the same for
-#: all_gather, reduce_scatter and all_to_all (:func:`ready_paired`).
-paired_c: Any = None if _front is None else _front.paired
-#: ``plain_c(call, group)``: the same for a call without arrays (barrier).
-plain_c: Any = None if _front is None else _front.plain
-#: ``peer_c(call, tensor, peer, group, tag, group_peer)``: a blocking send or recv (neither numbered nor
-#: recorded), as :func:`commlib._p2p._ran_ready_py`, its Python fallback.
-peer_c: Any = None if _front is None else _front.peer
-
-
 def ready_op(g: ProcessGroup, table: str, key: tuple) -> Any:
-    """The ready operation of ``table`` for ``key`` when ``g`` may run it now (else None: the generic path).
-    The Python path's lookup; the C front doors (:data:`summed_c`, :data:`rooted_c`, :data:`paired_c`,
-    :data:`plain_c`, :data:`peer_c`) do it themselves, and send/recv's Python fallback inlines it."""
+    """The ready operation of ``table`` for ``key`` when ``g`` may run it now (else None: the generic path)."""
     ready = g.ready
     return None if ready is None or g.pending else ready[table].get(key)
 
@@ -281,10 +237,7 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
-    ran = rooted_c("broadcast", tensor, src, group, group_src, async_op, 0, None) if rooted_c else None
-    if ran:
-        return None
-    if ran is None and (ready := ready_rooted("broadcast", tensor, src, group, group_src, async_op)) is not None:
+    if (ready := ready_rooted("broadcast", tensor, src, group, group_src, async_op)) is not None:
         run_ready(ready[0], "broadcast", ready[1], tensor, tensor)
         return None
     g, _ = resolve(group, "broadcast")
@@ -305,10 +258,7 @@ def reduce(
 ) -> Work | None:
     """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
     call = "reduce"
-    ran = rooted_c(call, tensor, dst, group, group_dst, async_op, 0, None) if rooted_c and op is _SUM else None
-    if ran:
-        return None
-    if ran is None and op is _SUM and (ready := ready_rooted(call, tensor, dst, group, group_dst, async_op)):
+    if op is _SUM and (ready := ready_rooted(call, tensor, dst, group, group_dst, async_op)):
         run_ready(ready[0], call, ready[1], tensor, tensor)
         return None
     g, _ = resolve(group, call)
@@ -333,10 +283,7 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
     call = "all_gather_into_tensor"
-    if paired_c is not None:
-        if paired_c(call, "all_gather", output_tensor, input_tensor, group, async_op, None, None):
-            return None
-    elif (ready := ready_paired("all_gather", output_tensor, input_tensor, group, async_op)) is not None:
+    if (ready := ready_paired("all_gather", output_tensor, input_tensor, group, async_op)) is not None:
         run_ready(ready[0], call, ready[1], input_tensor, output_tensor)
         return None
     g, _ = resolve(group, call)
@@ -373,7 +320,7 @@ _PACKED_FROM = 64 << 10  # bytes
 
 def _native_span() -> Any:
     """The C module's ``span`` (None: not built, or ``COMMLIB_NATIVE=0``)."""
-    if not native():
+    if not setting("COMMLIB_NATIVE"):
         return None
     try:
         return importlib.import_module("commlib.backends._ready").span  # a C module, no MPI; built or not
@@ -449,10 +396,7 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
     call = "reduce_scatter_tensor"
-    if op is _SUM and paired_c is not None:
-        if paired_c(call, "reduce_scatter", output, input, group, async_op, None, None):
-            return None
-    elif op is _SUM and (ready := ready_paired("reduce_scatter", output, input, group, async_op)) is not None:
+    if op is _SUM and (ready := ready_paired("reduce_scatter", output, input, group, async_op)) is not None:
         run_ready(ready[0], call, ready[1], input, output)
         return None
     g, _ = resolve(group, call)

@@ -16,11 +16,9 @@ from commlib._collectives import (
     check_list,
     packed,
     pair,
-    paired_c,
     ready_paired,
     ready_rooted,
     root_rank,
-    rooted_c,
     run_ready,
     unpack,
 )
@@ -80,13 +78,7 @@ def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
-    if paired_c is not None:
-        even = output_split_sizes is None and input_split_sizes is None
-        table = "all_to_all" if even else "all_to_all_v"
-        if paired_c(call, table, output, input, group, async_op, input_split_sizes, output_split_sizes):
-            return None
-        ready = None
-    elif output_split_sizes is None and input_split_sizes is None:
+    if output_split_sizes is None and input_split_sizes is None:
         ready = ready_paired("all_to_all", output, input, group, async_op)
     elif _int_list(input_split_sizes) and _int_list(output_split_sizes):  # as the generic path saw them before
         splits = (tuple(input_split_sizes), tuple(output_split_sizes))  # type: ignore[arg-type]
@@ -189,10 +181,7 @@ def gather(
 ) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
     root = 0 if dst is None else dst
-    ran = rooted_c("gather", tensor, root, group, group_dst, async_op, 1, gather_list) if rooted_c else None
-    if ran:
-        return None
-    ready = ready_rooted("gather", tensor, root, group, group_dst, async_op, writes=False) if ran is None else None
+    ready = ready_rooted("gather", tensor, root, group, group_dst, async_op, writes=False)
     if ready is not None and _plain(ready[0], root, gather_list, tensor, True):
         run_ready(ready[0], "gather", ready[1], tensor, gather_list)  # the root's list, filled in rank order
         return None
@@ -214,10 +203,7 @@ def scatter(
 ) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
     root = 0 if src is None else src
-    ran = rooted_c("scatter", tensor, root, group, group_src, async_op, 2, scatter_list) if rooted_c else None
-    if ran:
-        return None
-    ready = ready_rooted("scatter", tensor, root, group, group_src, async_op) if ran is None else None
+    ready = ready_rooted("scatter", tensor, root, group, group_src, async_op)
     if ready is not None and _plain(ready[0], root, scatter_list, tensor, False):
         run_ready(ready[0], "scatter", ready[1], scatter_list, tensor)  # the root's list, packed in rank order
         return None

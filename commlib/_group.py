@@ -10,6 +10,7 @@ and raises the error that explains it. Blocking collectives enter through
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from commlib._diagnostics import debug as _debug
 from commlib._diagnostics import flight as _flight
 from commlib._timeouts import as_seconds
 from commlib.arrays import host_array
+from commlib.backends._stamp import PeerGaveUp, StampMismatch
 from commlib.backends.base import Backend, Chained, Handle
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupBrokenError, TransportError
 
@@ -38,6 +40,7 @@ class ProcessGroup:
     """A set of ranks that communicate together: the world, or what ``new_group`` returns."""
 
     __slots__ = (
+        "any_received",
         "backend",
         "broken",
         "buffer",
@@ -52,7 +55,9 @@ class ProcessGroup:
         "rank",
         "ranks",
         "ready",
+        "received",
         "reductions",
+        "sent",
         "seq",
         "size",
         "sums",
@@ -70,7 +75,9 @@ class ProcessGroup:
         self.name = name
         self.timeout = timeout
         self.label = label  # "[rank 2/4] ": prefixes every message this group raises
-        self.seq = 0  # collectives issued so far, for error messages
+        self.seq = 0  # collectives issued so far: their numbers, in messages, stamps and errors
+        # point-to-point messages to and from each group rank (and received from any rank), for close()
+        self.sent, self.received, self.any_received = [0] * self.size, [0] * self.size, 0
         self.pending: collections.deque[Work] = collections.deque()
         self.broken: BaseException | None = None
         # What the backend declares, read once (the hot path reads attributes, not the backend).
@@ -118,7 +125,7 @@ class ProcessGroup:
         """
         fused = self.fused.get(kind) if self.host and not async_op else None
         if fused is None:
-            handle = getattr(self.backend, kind)(*args)
+            handle = getattr(self.backend, kind)(*args, self.seq + 1)  # numbered by submit()
             return self.submit(handle if finish is None else Chained(handle, finish), call, async_op, dtype, count)
         self.run(call, dtype, count, self.timeout, fused, *args)
         if finish is not None:
@@ -141,18 +148,18 @@ class ProcessGroup:
                 slot = next(_slots)
                 _starts[slot], _ends[slot] = (self, call, dtype, count, seq, t), t
                 return None
-        self.run(call, dtype, count, self.timeout, handle.wait)
+        self.run(call, dtype, count, self.timeout, _waits(handle))
         return None
 
     def run(self, call: str, dtype: Any, count: int, timeout: float, wait: Callable[..., bool], *args: Any) -> None:
-        """Record a blocking collective and complete it: ``wait(*args, timeout)`` posts (or has posted) and waits."""
+        """Number, record and complete a blocking collective: ``wait(*args, seq, timeout)`` posts and waits."""
         self.seq = seq = self.seq + 1
         slot = next(_slots)
         _starts[slot] = (self, call, dtype, count, seq, _now())
         if self.pending:
             self.drain(None, self.timeout)
         try:  # complete(), inlined: this is the latency of every blocking call
-            if wait(*args, timeout):
+            if wait(*args, seq, timeout):
                 _ends[slot] = _now()
                 return
         except BaseException as e:
@@ -220,11 +227,66 @@ class ProcessGroup:
         work.done = True
         return True
 
+    # -- the end ----------------------------------------------------------------------------------
+    def close(self, timeout: float) -> None:
+        """The group's closing check: every rank made as many collectives as this one, and every message a rank
+        sent this one was received (``destroy_process_group()`` and the program's end run it on every group).
+
+        Raises ``CollectiveMismatchError`` naming what differs (the group is then unusable), or the timeout's
+        error when a rank never closes. A group that failed earlier, or that this rank is not in, is skipped.
+        """
+        if self.backend is None or self.rank < 0 or self.size == 1:
+            return
+        if self.broken is not None:
+            with contextlib.suppress(Exception):  # best effort: the group failed already
+                self.backend.close_failed(self.seq)
+            return
+        if self.pending:
+            self.drain(None, timeout)
+        call = "close (the group's closing check)"
+        try:
+            rows = self.backend.close_check(self.seq, self.sent, self.received, timeout)
+        except TransportError as e:
+            self.mark_broken(e)
+            raise self.mismatch(call, self.seq, -1, e) from e
+        except CommTimeoutError:
+            self.fail_timeout(call, self.seq, timeout)
+        problems = []
+        for p, (calls, to_me, _) in enumerate(rows):
+            if p == self.rank:
+                continue
+            who = f"rank {self.ranks[p]}"
+            if calls != self.seq:
+                problems.append(f"{who} made {calls} collective calls on the group, this rank {self.seq}")
+            if not self.any_received and to_me != self.received[p]:
+                problems.append(
+                    f"{who} sent this rank {to_me} messages, of which this rank received {self.received[p]}"
+                )
+        if self.any_received:
+            sent = sum(r[1] for p, r in enumerate(rows) if p != self.rank)
+            got = sum(self.received) + self.any_received
+            if sent != got:
+                problems.append(f"the other ranks sent this rank {sent} messages, of which it received {got}")
+        if problems:
+            err = CollectiveMismatchError(
+                f"{self.label}{call} on group {self.name!r} (ranks {_ranks(self.ranks)}): the ranks did not make the "
+                f"same calls: {'; '.join(problems)}" + self.dumped("closing check")
+            )
+            self.mark_broken(err)
+            raise err
+
     # -- failures ---------------------------------------------------------------------------------
     def fail(self, call: str, seq: int, slot: int, err: BaseException) -> None:
         """Record the failure of call #``seq``, fence the group off, and raise (an engine error explained)."""
         if slot >= 0:
             _ring.end(slot, self, seq, ok=False)
+        if isinstance(err, PeerGaveUp):  # a peer's group failed first: say which and why
+            peer = self.ranks[err.peer] if 0 <= err.peer < self.size else err.peer
+            out = GroupBrokenError(
+                f"{self.what(call, seq)}: rank {peer} gave up on the group ({err.reason}); the group is now unusable"
+            )
+            self.mark_broken(out)
+            raise out from None
         self.mark_broken(err)
         if isinstance(err, TransportError):
             raise self.mismatch(call, seq, slot, err) from err
@@ -234,12 +296,18 @@ class ProcessGroup:
         """Mark the group broken and raise the ``CommTimeoutError`` that says what was waited for."""
         from commlib._diagnostics import monitor
 
-        arrived = monitor.arrival(self, call, seq, timeout)
-        err = CommTimeoutError(
-            f"{self.what(call, seq)} did not complete within {timeout:g} s: a peer rank did not make the matching "
-            f"call (it may have failed, be stuck, or be making a different call){arrived}; the group is now unusable"
-            + self.dumped(f"timeout in {call} #{seq}")
-        )
+        arrived, differ = monitor.arrival(self, call, seq, timeout)
+        if differ:  # every rank is here, in another call: say so (not "a peer did not come")
+            err: CommError = CollectiveMismatchError(
+                f"{self.what(call, seq)} did not complete within {timeout:g} s: the ranks are not making the same "
+                f"call{arrived}; the group is now unusable" + self.dumped(f"mismatch in {call} #{seq}")
+            )
+        else:
+            err = CommTimeoutError(
+                f"{self.what(call, seq)} did not complete within {timeout:g} s: a peer rank did not make the "
+                f"matching call (it may have failed, be stuck, or be making a different call){arrived}; the group "
+                "is now unusable" + self.dumped(f"timeout in {call} #{seq}")
+            )
         self.mark_broken(err)
         raise err
 
@@ -253,16 +321,25 @@ class ProcessGroup:
         return f" (flight recorder: {path})" if path else ""
 
     def mismatch(self, call: str, seq: int, slot: int, err: TransportError) -> CommError:
-        """The error for an engine failure inside a call: almost always ranks that disagree on the call."""
-        entry = _starts[slot] if slot >= 0 else None
-        nbytes = ""
-        if entry is not None and entry[0] is self and entry[4] == seq and entry[2] is not None:
-            nbytes = f", {entry[3] * np.dtype(entry[2]).itemsize} bytes on this rank"
-        out = CollectiveMismatchError(
-            f"{self.what(call, seq, nbytes)} failed inside {self.backend_name}: the ranks most likely disagree on the "
-            f"size of this call, or made different numbers of calls before it ({err}); the group is now unusable"
-            + self.dumped(f"engine error in {call} #{seq}")
-        )
+        """The error for an engine failure inside a call: a message of another call (``StampMismatch``: both
+        calls named), or ranks that most likely disagree on the call."""
+        if isinstance(err, StampMismatch):
+            peer = self.ranks[err.peer] if 0 <= err.peer < self.size else err.peer
+            text = (
+                f"{self.what(call, seq)}: the ranks are not making the same call: rank {peer} sent {err.got}, "
+                f"where this rank's call expects {err.wanted}; the group is now unusable"
+            )
+        else:
+            entry = _starts[slot] if slot >= 0 else None
+            nbytes = ""
+            if entry is not None and entry[0] is self and entry[4] == seq and entry[2] is not None:
+                nbytes = f", {entry[3] * np.dtype(entry[2]).itemsize} bytes on this rank"
+            text = (
+                f"{self.what(call, seq, nbytes)} failed inside {self.backend_name}: the ranks most likely disagree on "
+                f"the size of this call, or made different numbers of calls before it ({err}); the group is now "
+                "unusable"
+            )
+        out = CollectiveMismatchError(text + self.dumped(f"mismatch in {call} #{seq}"))
         self.broken, self.sums, self.ready = out, None, None
         return out
 
@@ -271,7 +348,7 @@ class ProcessGroup:
         if self.broken is None:
             self.broken, self.sums, self.ready = err, None, None
             if self.backend is not None:
-                self.backend.abort()
+                self.backend.abort(f"{type(err).__name__}: {err}")
 
     def refuse(self, call: str) -> NoReturn:
         """Raise the error for a call on a group that cannot take it (broken, or not a member)."""
@@ -307,6 +384,11 @@ class ProcessGroup:
         if not 0 <= group_rank < self.size:
             raise ValueError(f"{self.label}{where}: {arg}={group_rank} is out of range for a group of size {self.size}")
         return int(group_rank)
+
+
+def _waits(handle: Handle) -> Callable[[int, float], bool]:
+    """``handle.wait`` as :meth:`ProcessGroup.run` calls a wait: ``(seq, timeout)`` (the handle has its seq)."""
+    return lambda seq, timeout: handle.wait(timeout)
 
 
 def _ranks(ranks: list[int]) -> str:

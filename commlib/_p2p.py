@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import peer_c, ready_rest
+from commlib._collectives import ready_rest
 from commlib._group import ProcessGroup, Work
 from commlib._world import _state as _world
 from commlib._world import label, resolve
@@ -45,10 +45,9 @@ def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
     return tag
 
 
-def _ran_ready_py(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_peer: Any) -> bool:
+def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_peer: Any) -> bool:
     """Run a blocking send or recv of a numpy array through the backend's ready operation, if it has one
-    (a peer given as a global rank); False: the generic path. The C front door (``peer_c``) does the same
-    where the C module was built."""
+    (a peer given as a global rank); False: the generic path."""
     g = _world.world if group is None else group
     sending = call == "send"
     if (
@@ -63,8 +62,9 @@ def _ran_ready_py(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group
         and (p := ready[call].get((tensor.shape, tensor.dtype, peer, tag))) is not None
     ):
         inp, out = (tensor, None) if sending else (None, tensor)
+        (g.sent if sending else g.received)[peer] += 1  # counted for the group's closing check
         try:  # run_ready() for a send or receive (neither numbered nor recorded), inlined
-            if p.go(inp, out):
+            if p.go(inp, out, 0):
                 return True
         except BaseException as e:
             ready_rest(g, call, p, out, 0, -1, e)
@@ -73,19 +73,30 @@ def _ran_ready_py(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group
     return False
 
 
-_ran_ready = peer_c or _ran_ready_py
-
-
 def _send_args(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> tuple:
     g, b = resolve(group, call)
     a = g.buffer(tensor, g, call, "tensor", writable=False)
-    return g, b, (a, _peer(g, call, dst, group_dst, "dst"), _tag(g, b, call, tag))
+    peer = _peer(g, call, dst, group_dst, "dst")
+    args = (a, peer, _tag(g, b, call, tag))
+    g.sent[peer] += 1  # counted for the group's closing check
+    return g, b, args
 
 
 def _recv_args(tensor: Any, src: Any, group: Any, tag: Any, group_src: Any, call: str) -> tuple:
     g, b = resolve(group, call)
     a = g.buffer(tensor, g, call, "tensor")
-    return g, b, (a, _source(g, b, call, src, group_src), _tag(g, b, call, tag))
+    peer = _source(g, b, call, src, group_src)
+    args = (a, peer, _tag(g, b, call, tag))
+    _count_receive(g, peer)
+    return g, b, args
+
+
+def _count_receive(g: ProcessGroup, peer: int | None) -> None:
+    """A receive, counted for the group's closing check (from any rank: counted apart)."""
+    if peer is None:
+        g.any_received += 1
+    else:
+        g.received[peer] += 1
 
 
 def isend(
@@ -185,6 +196,8 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         a = g.buffer(p.tensor, g, call, f"p2p_op_list[{i}].tensor", writable=recv)
         peer = _peer(g, call, p.peer, p.group_peer, "peer")
         plan.append((recv, a, peer, _tag(g, b, call, p.tag)))
+    for recv, _, peer, _ in plan:
+        (g.received if recv else g.sent)[peer] += 1
     b.group_start()
     try:
         handles = [(b.recv if recv else b.send)(a, peer, tag) for recv, a, peer, tag in plan]

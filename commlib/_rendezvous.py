@@ -116,7 +116,7 @@ def _launched_world(name: str, info: LaunchInfo, timeout: float, init_method: st
             f"{info.world_size}, but MPI's world has {backend.size} processes: start every rank with one launcher"
         )
     if name == "mpi":
-        backend.prepare(timeout)  # mismatched kinds of call wait (and time out) instead of pairing up
+        backend.prepare(timeout, world=True)  # the communicators of its own, the pattern its ranks agree on
     monitor.setup(backend, timeout)
     if backend.size > 1:
         monitor.install_excepthook(functools.partial(mpi.abort, backend))
@@ -143,7 +143,7 @@ def _joined_world(name: str, info: LaunchInfo, timeout: float, store: Store) -> 
             raise
         except RuntimeError as e:
             raise BackendUnavailableError(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
-        joined.prepare(timeout)
+        joined.prepare(timeout, world=True)
         monitor.setup(joined, timeout, store)
         monitor.install_excepthook(functools.partial(mpi.abort, joined))
         backend = joined

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import sys
 from typing import Any
 
 from commlib._environment import LaunchInfo, detect
@@ -41,7 +44,7 @@ _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 
 class _State:
-    __slots__ = ("by_ranks", "groups", "implicit", "info", "store", "world")  # world: read by the C front doors
+    __slots__ = ("by_ranks", "groups", "implicit", "info", "made", "store", "world")
 
     def __init__(self) -> None:
         self.world: ProcessGroup | None = None
@@ -50,6 +53,7 @@ class _State:
         self.by_ranks: dict[tuple[int, ...], ProcessGroup] = {}  # subgroup()'s cache, cleared with the world
         self.store: Any = None  # the rendezvous store the world keeps using (served by rank 0 when it made it)
         self.info: LaunchInfo | None = None
+        self.made = 0  # groups made by every rank since the default group was
 
 
 _state = _State()
@@ -109,6 +113,7 @@ def init_process_group(
     world, owned = _state.world, None
     if world is None:
         world, owned = make_world(name, seconds, world_size, rank, init_method or "env://", store)
+        _check_at_exit()
     try:
         _check_explicit(world, world_size, rank)  # before anything is recorded: a refused call changes nothing
     except ValueError:
@@ -161,6 +166,7 @@ def resolve(group: ProcessGroup | None, call: str) -> tuple[ProcessGroup, Backen
 def _implicit_world() -> ProcessGroup:
     name = _choose_backend(None)
     _state.world, _state.store = make_world(name, _default_timeout(name), -1, -1, "env://", None)
+    _check_at_exit()
     _state.implicit, _state.groups = True, [_state.world]
     return _state.world
 
@@ -171,7 +177,14 @@ def is_initialized() -> bool:
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
-    """Tear down ``group``, or every group including the default one when ``group`` is None."""
+    """Tear down ``group``, or every group including the default one when ``group`` is None.
+
+    Tearing down the default group first runs every group's closing check (:meth:`ProcessGroup.close`: the
+    ranks made the same number of collectives, and every message sent was received), as the program's end
+    does; a check that fails raises ``CollectiveMismatchError`` once everything is torn down.
+    """
+    everything = group is None or group is _state.world
+    error = _close_all() if everything else None
     targets = list(_state.groups) if group is None else [group]
     for g in targets:
         if g.backend is not None and g.broken is None and g is not _state.world:
@@ -180,11 +193,46 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         if g in _state.groups:
             _state.groups.remove(g)
     _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}
-    if group is None or group is _state.world:
+    if everything:
         store, _state.store = _state.store, None
         _state.world, _state.implicit, _state.groups, _state.by_ranks = None, False, [], {}
+        _state.made = 0
         if store is not None:
             store.close()
+    if error is not None:
+        raise error
+
+
+def _close_all() -> BaseException | None:
+    """Every live group's closing check, in creation order (the default group last); the first error."""
+    first = None
+    groups = [g for g in _state.groups if g is not _state.world] + [g for g in _state.groups if g is _state.world]
+    for g in groups:
+        try:
+            g.close(g.timeout)
+        except Exception as e:
+            first = first or e
+    return first
+
+
+@functools.cache
+def _check_at_exit() -> None:
+    """Run the closing checks when the program ends (registered after mpi4py's own exit handler, so before MPI
+    is finalized). A check that fails is reported as an uncaught exception would be (the job is aborted where
+    commlib's hook is installed) and the process exits with status 1: never 0."""
+    atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    if _state.world is None:
+        return
+    error = _close_all()
+    if error is None:
+        return
+    sys.stdout.flush()
+    sys.excepthook(type(error), error, error.__traceback__)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def subgroup(ranks: Any) -> ProcessGroup:
@@ -252,8 +300,9 @@ def new_group(
 def _group_name(members: list[int], local: bool) -> str:
     """A name every member agrees on: the creation count (all ranks create every group), or, when only the
     members create it, its ranks and how many groups of the same ranks exist already."""
-    if not local:
-        return f"group{len(_state.groups)}"
+    if not local:  # the creation count since the default group was made (destroyed groups count: names stay unique)
+        _state.made += 1
+        return f"group{_state.made}"
     twins = sum(1 for g in _state.groups if g.ranks == members)
     return f"group{members}" + (f"#{twins}" if twins else "")
 

@@ -233,7 +233,8 @@ dist.all_reduce(z)
 
 
 def test_a_mismatched_broadcast_is_explained_and_every_rank_is_placed(tmp_path: Path) -> None:
-    """Size disagreement: ranks 2-3 name the call, its number and their bytes; the launcher places every rank."""
+    """Size disagreement: ranks 2-3 name the call, its number and both sides' sizes; the launcher places every
+    rank."""
     script = tmp_path / f"extra_broadcast_{os.getpid()}.py"
     script.write_text(EXTRA_BROADCAST)
     cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "4", str(script)]
@@ -241,11 +242,12 @@ def test_a_mismatched_broadcast_is_explained_and_every_rank_is_placed(tmp_path: 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
     err = proc.stderr
     assert proc.returncode != 0, err[-3000:]
-    for rank in (2, 3):
+    for rank in (2, 3):  # both calls named: what rank 0 sent, what this rank expects
         assert re.search(
             rf"\[{rank}\] commlib.errors.CollectiveMismatchError: \[rank {rank}/4\] broadcast \(call #4 on group "
-            r"'world', ranks \[0, 1, 2, 3\], 40 bytes on this rank\) failed inside mpi: the ranks most likely "
-            r"disagree on the size of this call, or made different numbers of calls before it",
+            r"'world', ranks \[0, 1, 2, 3\]\): the ranks are not making the same call: rank 0 sent broadcast #4 "
+            r"\(float32, 1000 elements, root 0, 4000 bytes\), where this rank's call expects broadcast #4 "
+            r"\(float32, 10 elements, root 0, 40 bytes\)",
             err,
         ), err[-3000:]
     summary = err[err.index("commlib.launch: flight recorder") :]

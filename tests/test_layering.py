@@ -41,15 +41,26 @@ ALLOWED = {
     "errors": set(),
     "_timeouts": set(),
     "_environment": set(),
+    "_settings": set(),
     "arrays": {"_ops"},
     "_sockets": set(),
-    "backends": {"_ops", "arrays", "errors", "_sockets", "_environment"},
+    "backends": {"_ops", "arrays", "errors", "_sockets", "_environment", "_settings"},
     "store": {"_timeouts", "errors", "_sockets"},
-    "_diagnostics": {"arrays", "errors", "store", "backends"},
-    "launch": {"store", "_diagnostics", "backends"},
+    "_diagnostics": {"arrays", "errors", "store", "backends", "_settings"},
+    "launch": {"store", "_diagnostics", "backends", "_settings"},
     "testing": {"launch"},
     **{
-        name: {"_ops", "errors", "_timeouts", "_environment", "arrays", "backends", "store", "_diagnostics"}
+        name: {
+            "_ops",
+            "errors",
+            "_timeouts",
+            "_environment",
+            "_settings",
+            "arrays",
+            "backends",
+            "store",
+            "_diagnostics",
+        }
         | GROUP_LAYER
         for name in GROUP_LAYER
     },
@@ -142,7 +153,7 @@ def test_upper_packages_use_only_commlib_public_api(package: str) -> None:
 def test_only_the_mpi_backend_imports_mpi4py() -> None:
     allowed = {
         ROOT / "commlib" / "backends" / name
-        for name in ("mpi.py", "_mpi.py", "_mpi_world.py", "_native.py", "_waker.py", "_direct.py")
+        for name in ("mpi.py", "_mpi.py", "_mpi_world.py", "_native.py", "_waker.py", "_steps.py")
     }
     bad = [v for p in PACKAGES for v in _violations(p, lambda f, n: _top(n) == "mpi4py" and f not in allowed)]
     assert bad == []
@@ -162,3 +173,50 @@ def test_the_rule_detects_a_violation(tmp_path: Path) -> None:
     bad.write_text("import ddp.reducer\nfrom globalview import sbp\n")
     assert _imports(bad) == ["ddp.reducer", "globalview"]
     assert "_group" not in ALLOWED["backends"] and "backends" not in ALLOWED["arrays"]
+
+
+# -- the C sources: below the waist too ---------------------------------------------------------------------------
+
+#: what a C file may not name: the group layer's objects, and the means of reading a Python object's slots by
+#: offset (member descriptors, type version tags, dict pointers); the compiled part runs a backend's operation
+#: on bytes and MPI requests, and gets everything else as arguments
+_C_FORBIDDEN = (
+    "ProcessGroup",
+    "_State",
+    "flight",
+    "PyMemberDescr",
+    "tp_version_tag",
+    "_PyObject_GetDictPtr",
+    "PyObject_GenericGetAttr",
+    "tp_dictoffset",
+    "PyMember_GetOne",
+)
+
+
+def _c_sources() -> list[Path]:
+    return sorted((ROOT / "commlib").rglob("*.[ch]"))
+
+
+def test_c_sources_live_below_the_waist() -> None:
+    assert _c_sources(), "no C sources found"
+    outside = [str(f.relative_to(ROOT)) for f in _c_sources() if not f.is_relative_to(ROOT / "commlib" / "backends")]
+    assert outside == []
+
+
+def test_c_sources_do_not_reach_into_python_objects() -> None:
+    """No C file names the group layer or reads a Python object's slots by offset; attribute lookups on Python
+    objects are limited to numpy's ``base`` (span's chain of views)."""
+    import re
+
+    bad = []
+    for f in _c_sources():
+        text = f.read_text()
+        bad += [f"{f.name}: {word}" for word in _C_FORBIDDEN if word in text]
+        for m in re.finditer(r"PyObject_GetAttr\w*\(\s*\w+\s*,\s*([^)]*)\)", text):
+            if m.group(1).strip() != '"base"':
+                bad.append(f"{f.name}: {m.group(0)}")
+    assert bad == []
+
+
+def test_the_c_rule_detects_a_violation() -> None:
+    assert any(w in "PyMemberDescrObject *d" for w in _C_FORBIDDEN)

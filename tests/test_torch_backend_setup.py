@@ -87,7 +87,8 @@ def errors_job() -> dict:
     late = dist.new_group(timeout=datetime.timedelta(seconds=3))
     dist.barrier()  # every rank is past the bad-input calls: nothing is pending anywhere
     if r == 1:
-        return out  # never arrives
+        time.sleep(8)  # never arrives (alive; a rank that had ended its calls would be named at once instead)
+        return out
     start = time.monotonic()
     work = dist.all_reduce(torch.ones(3), group=late, async_op=True)  # its 3 s run while the next call waits
     out["blocking peer never arrives"] = _caught(lambda: dist.all_reduce(torch.ones(3)))

@@ -61,7 +61,7 @@ def check(g: Any, call: str, a: Any = None, op: Any = None, root: int | None = N
     if g.size == 1:
         return
     out = g.xp.zeros(g.size * _RECORD, np.uint8)
-    handle = g.backend.all_gather(to_device(_record(mine), g.xp), out)
+    handle = g.backend.all_gather(to_device(_record(mine), g.xp), out, g.seq + 1)
     g.complete(f"{call} (COMMLIB_DEBUG=DETAIL call check)", g.seq + 1, -1, g.timeout, handle.wait)
     table = to_host(out).reshape(g.size, _RECORD)
     digests = {bytes(row[:_DIGEST]) for row in table}

@@ -48,7 +48,8 @@ class _State:
         self.dead: str | None = None  # why the store is not used any more
         self.server: Any = None  # the StoreServer when this process serves it (world rank 0)
         self.rank, self.size = 0, 1
-        self.published: set[tuple[str, int]] = set()
+        self.published: set[tuple[str, int, bool]] = set()
+        self.mine: dict[tuple[str, int], str] = {}  # (group, seq) -> this rank's call in its stamps' words
         self.failure_raised = False
 
 
@@ -92,7 +93,7 @@ def _serve_and_share(backend: Any, timeout: float) -> str:
             print(f"commlib: no job monitor store ({e}); timeouts will not name the missing ranks", file=sys.stderr)
         raw = text.encode()[:_PAYLOAD]
         buf[: len(raw)] = np.frombuffer(raw, np.uint8)
-    if not backend.broadcast(buf, 0).wait(timeout):
+    if not backend.broadcast(buf, 0, 0).wait(timeout):
         return ""
     fields = buf.tobytes().rstrip(b"\0").decode().split()
     if len(fields) == 4:
@@ -155,19 +156,23 @@ def _progress_key(g: Any, group_rank: int) -> str:
     return f"{_PREFIX}/progress/{g.name}/{group_rank}"
 
 
-def _publish(g: Any, call: str, seq: int) -> None:
-    if (g.name, seq) not in _state.published:
-        _state.published.add((g.name, seq))
-        _call("set", _progress_key(g, g.rank), f"{seq} {call}")
+def _publish(g: Any, call: str, seq: int, what: str | None = None) -> None:
+    """Tell the others this rank waits in call #``seq`` (``what``: the call in the words of its stamps)."""
+    if what is not None:
+        _state.mine[(g.name, seq)] = what
+    if (g.name, seq, what is None) not in _state.published:
+        _state.published.add((g.name, seq, what is None))
+        _call("set", _progress_key(g, g.rank), f"{seq} {call}" + ("" if what is None else f"\t{what}"))
 
 
-def watchdog(waited: float) -> None:
-    """The slow path of every wait (after 0.25 s, then every 0.5 s): publish progress, fail fast on a peer's failure."""
+def watchdog(waited: float, what: str | None = None) -> None:
+    """The slow path of every wait (after 0.25 s, then every 0.5 s): publish progress, fail fast on a peer's
+    failure. ``what``: the waiting operation's own description (the backend's), published with the call."""
     if _state.dead is not None or _state.failure_raised:
         return
     running = _flight.waiting()
     if running is not None and running[0].rank >= 0:
-        _publish(*running)
+        _publish(*running, what)
     failure = _call("compare_set", _FAILED, _MISSING, _MISSING)
     if failure is None or failure.decode(errors="replace") == _MISSING:
         return
@@ -184,10 +189,11 @@ def watchdog(waited: float) -> None:
     raise err
 
 
-def arrival(g: Any, call: str, seq: int, timeout: float) -> str:
-    """Which ranks of ``g`` reached call #``seq`` (from their published progress), as text for the error."""
+def arrival(g: Any, call: str, seq: int, timeout: float) -> tuple[str, bool]:
+    """Which ranks of ``g`` reached call #``seq`` and what they call there (from their published progress), as
+    text for the error; and whether every rank arrived but their calls differ (a mismatched program)."""
     if g.rank < 0:
-        return ""
+        return "", False
     _publish(g, call, seq)
     deadline, seen = time.monotonic() + min(_GRACE, timeout / 4), None
     while _state.dead is None:
@@ -199,33 +205,44 @@ def arrival(g: Any, call: str, seq: int, timeout: float) -> str:
             break
         time.sleep(0.05)
     if seen is None:
-        return f"; which ranks arrived is unknown: {_state.dead}"
-    arrived, missing, other, notes = [g.ranks[g.rank]], [], [], []
+        return f"; which ranks arrived is unknown: {_state.dead}", False
+    mine = _state.mine.get((g.name, seq))
+    arrived, missing, other, notes = [g.ranks[g.rank]], [], {}, []
     for p, s in seen.items():
         rank = g.ranks[p]
         if s is None or s[0] < seq:
             missing.append(rank)
             seen_at = "never reported waiting" if s is None else f"was last seen waiting in {s[1]} #{s[0]}"
             notes.append(f"rank {rank} {seen_at}")
-        elif s[0] == seq and s[1] != call:  # the same call number, another call: a mismatched program
-            other.append(rank)
-            notes.append(f"rank {rank} is in {s[1]} #{s[0]}")
+        elif s[0] == seq and (s[1] != call or (mine is not None and s[2] is not None and s[2] != mine)):
+            other[rank] = s[2] or f"{s[1]} #{s[0]}"  # the same call number, another call: a mismatched program
         else:
             arrived.append(rank)
             if s[0] > seq:
                 notes.append(f"rank {rank} is in {s[1]} #{s[0]}")
+    me = f"this rank (rank {g.ranks[g.rank]}): {mine or f'{call} #{seq}'}"
+    if other and not missing:
+        calls = "; ".join([me, *(f"rank {r}: {c}" for r, c in sorted(other.items()))])
+        same = f" ({', '.join(f'rank {r}' for r in sorted(arrived) if r != g.ranks[g.rank])} as this rank)"
+        return f"; every rank arrived at call #{seq}, but their calls differ: {calls}" + (
+            same if len(arrived) > 1 else ""
+        ), True
     text = f"; arrived: ranks {sorted(arrived)}; not arrived: ranks {missing}"
     if other:
-        text += f"; in a different call (mismatched program?): ranks {other}"
-    return text + (f" ({'; '.join(notes)})" if notes else "")
+        text += f"; in a different call (mismatched program?): ranks {sorted(other)}"
+        notes += [f"rank {r} is in {c}, {me}" for r, c in sorted(other.items())]
+    elif not missing:
+        text += f" (every rank arrived at this call{f': {mine}' if mine else ''})"
+    return text + (f" ({'; '.join(notes)})" if notes else ""), False
 
 
-def _progress(g: Any, p: int) -> tuple[int, str] | None:
+def _progress(g: Any, p: int) -> tuple[int, str, str | None] | None:
     raw = _call("compare_set", _progress_key(g, p), _MISSING, _MISSING)
     if raw is None or raw.decode(errors="replace") == _MISSING:
         return None
-    seq, _, call = raw.decode(errors="replace").partition(" ")
-    return (int(seq), call) if seq.isdigit() else None
+    head, _, what = raw.decode(errors="replace").partition("\t")
+    seq, _, call = head.partition(" ")
+    return (int(seq), call, what or None) if seq.isdigit() else None
 
 
 def install_excepthook(abort: Callable[[], None] | None) -> None:

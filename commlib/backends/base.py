@@ -56,13 +56,15 @@ _YIELD_AFTER = 0.0005  # seconds of pure spinning before yielding the core (rank
 _SLEEP_AFTER = 0.05  # seconds before backing off to short sleeps (long waits must not burn a core)
 _WATCH_AFTER, _WATCH_EVERY = 0.25, 0.5  # when and how often a long wait calls the watchdog
 
-#: Called as ``watchdog(seconds_waited)`` by long waits (commlib's job monitor sets it): it may
-#: publish progress and raise ``CommError`` when another rank has reported a failure.
-watchdog: Callable[[float], None] | None = None
+#: Called as ``watchdog(seconds_waited, what)`` by long waits (commlib's job monitor sets it; ``what``: the
+#: waiting operation's own description, or None): it may publish progress and raise ``CommError`` when
+#: another rank has reported a failure.
+watchdog: Callable[[float, str | None], None] | None = None
 
-#: Tags above :attr:`Backend.max_tag` that carry commlib's own point-to-point traffic.
-TAG_MEET, TAG_COMPOSED = 1, 2
-RESERVED_TAGS = 2
+#: Tags above :attr:`Backend.max_tag` that carry commlib's own point-to-point traffic (TAG_FAIL: a rank's
+#: notice that it gave up on the group, see :meth:`Backend.abort`).
+TAG_MEET, TAG_COMPOSED, TAG_FAIL = 1, 2, 3
+RESERVED_TAGS = 3
 
 
 class Meeting(Protocol):
@@ -97,38 +99,30 @@ class Handle(Protocol):
 
 
 class Resident(Protocol):
-    """A ready operation over buffers of its own, run by the group layer inline (:meth:`Backend.sums`,
-    :meth:`Backend.residents`).
+    """A ready operation, run by the group layer inline (:meth:`Backend.sums`, :meth:`Backend.residents`).
 
-    A call: :attr:`go` with the caller's input and output; if it returned False, :meth:`wait`, then
-    (if that returned True) :meth:`finish`. An exception raised by any of them goes through
-    :meth:`error` first.
+    A call: :attr:`go` with the caller's input and output and the call's sequence number; if it returned
+    False, :meth:`wait`, then (if that returned True) :meth:`finish`. An exception raised by any of them goes
+    through :meth:`error` first.
     """
 
     #: the dtype and element count of the caller's arrays (for the flight recorder)
     dtype: Any
     count: int
-    #: the operation's own buffers: its input (None: this rank sends nothing, e.g. a broadcast's non-root),
-    #: its output (None: no output here, e.g. a broadcast's root); a caller may fill ``send`` itself and
-    #: pass no input
-    send: Any
-    recv: Any
 
-    #: ``go(inp, out) -> bool``: copy ``inp`` into :attr:`send` (``inp`` None: already there), start one
-    #: run (the previous one is complete), test it a few hundred times; True: complete and ``out[...]``
-    #: holds the result (``out`` None: not wanted); False: still running. Never blocks. ``inp`` and
-    #: ``out`` may also be lists of arrays of one shape, the chunks of ``send`` / ``recv`` in rank order
-    #: (scatter's and gather's root lists). An attribute (the mpi backend's is a C function where it was
+    #: ``go(inp, out, seq) -> bool``: start one run on the caller's input and output (the previous run is
+    #: complete), test it a few hundred times; True: complete, the result in ``out`` (None: no output on this
+    #: rank); False: still running. Never blocks. ``inp`` (scatter's root) and ``out`` (gather's root) may be
+    #: lists of arrays of one shape, in rank order. An attribute (the mpi backend's is a C method where it was
     #: built), called as a method.
-    go: Callable[[Any, Any], bool]
+    go: Callable[[Any, Any, int], bool]
 
     def wait(self, timeout: float) -> bool:
         """Block until the run :attr:`go` left running is complete (True) or ``timeout`` seconds pass (False:
         it is never started again)."""
 
     def finish(self, out: Any) -> None:
-        """After a :meth:`wait` that returned True: ``out[...] = `` the result (``out`` None: nothing; a list:
-        as :attr:`go` fills one)."""
+        """After a :meth:`wait` that returned True: complete the run into ``out``."""
 
     def error(self, exc: BaseException) -> BaseException:
         """The exception to raise for ``exc`` (raised by the backend's engine in a run)."""
@@ -139,14 +133,17 @@ class Resident(Protocol):
 SLOW_BYTES_PER_S = 100e6
 
 
-def poll(test: Callable[[], bool], timeout: float, busy: float = 0.0) -> bool:
+def poll(
+    test: Callable[[], bool], timeout: float, busy: float = 0.0, slow: Callable[[float], str | None] | None = None
+) -> bool:
     """Call ``test`` until it returns True (then True) or ``timeout`` seconds pass (then False).
 
     Spins first (the latency of small messages is a few microseconds), then
     yields the core, then sleeps briefly, so a long wait neither adds latency to
     fast operations nor starves a peer rank sharing the core. ``busy``: seconds
     the data may take to move (see :data:`SLOW_BYTES_PER_S`); no sleeps before
-    then. Past 0.25 s it also calls :data:`watchdog`, then every half second.
+    then. Past 0.25 s it also calls ``slow(waited)`` (the operation's own slow-path check, which may raise,
+    and returns its description) and :data:`watchdog`, then every half second.
     """
     start, watch_at = None, _WATCH_AFTER
     sleep_after = busy if busy > _SLEEP_AFTER else _SLEEP_AFTER
@@ -165,9 +162,11 @@ def poll(test: Callable[[], bool], timeout: float, busy: float = 0.0) -> bool:
             time.sleep(0.0002)
         elif waited > _YIELD_AFTER:
             os.sched_yield()
-        if waited > watch_at and watchdog is not None:
+        if waited > watch_at:
             watch_at = waited + _WATCH_EVERY
-            watchdog(waited)
+            what = slow(waited) if slow is not None else None
+            if watchdog is not None:
+                watchdog(waited, what)
 
 
 class Done:
@@ -292,36 +291,41 @@ class Backend(abc.ABC):
 
     # -- collectives ------------------------------------------------------------------------------
     @abc.abstractmethod
-    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
-        """Reduce ``sendbuf`` over all ranks into every rank's ``recvbuf``; ``sendbuf is recvbuf``: in place."""
+    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
+        """Reduce ``sendbuf`` over all ranks into every rank's ``recvbuf``; ``sendbuf is recvbuf``: in place.
+
+        ``seq`` (every collective takes it): the call's number on the group, the same on every rank that
+        makes the same call; a backend puts it in its messages (with the call's kind, dtype, count, op and
+        root) so that ranks making different calls end in an error, not in wrong data.
+        """
 
     @abc.abstractmethod
-    def broadcast(self, buf: Any, root: int) -> Handle:
+    def broadcast(self, buf: Any, root: int, seq: int) -> Handle:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (in place)."""
 
     @abc.abstractmethod
-    def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int) -> Handle:
+    def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int, seq: int) -> Handle:
         """Reduce ``sendbuf`` over all ranks into ``root``'s ``recvbuf`` (others' recvbuf untouched)."""
 
     @abc.abstractmethod
-    def all_gather(self, sendbuf: Any | None, recvbuf: Any) -> Handle:
+    def all_gather(self, sendbuf: Any | None, recvbuf: Any, seq: int) -> Handle:
         """Concatenate every rank's ``sendbuf`` in rank order into ``recvbuf`` (``size`` times as long).
 
         ``sendbuf`` None: in place, this rank's chunk of ``recvbuf`` already holds its input.
         """
 
     @abc.abstractmethod
-    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
+    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
         """Reduce ``sendbuf`` (``size`` chunks of ``recvbuf.size``) and leave chunk ``rank`` in ``recvbuf``."""
 
     @abc.abstractmethod
-    def barrier(self) -> Handle:
+    def barrier(self, seq: int) -> Handle:
         """Complete once every rank has called barrier."""
 
     def fused(self) -> dict[str, Callable[..., bool]]:
         """Functions that run an operation to completion in one call, by operation name (``"broadcast"``, ...).
 
-        Each takes the operation's arguments plus ``timeout`` and returns True once done, False
+        Each takes the operation's arguments (``seq`` included) plus ``timeout`` and returns True once done, False
         when ``timeout`` passed first (the operation may then still run). The group layer uses
         them for blocking calls on host memory, and only when nothing else of this communicator is
         in flight: a backend may fuse post and wait there (no handle object), or rerun a persistent
@@ -336,7 +340,7 @@ class Backend(abc.ABC):
 
         The hottest call in data parallelism, given a lookup of its own: the group layer runs an
         entry itself, and the result must be that of the ``"all_reduce"`` entry of :meth:`fused`
-        called with ``(buf, buf, SUM, timeout)``. The backend adds and removes entries as it makes
+        called with ``(buf, buf, SUM, seq, timeout)``. The backend adds and removes entries as it makes
         and frees them (the group layer only reads the dict, and only under :meth:`fused`'s
         conditions). The default: None (no such lookup).
         """
@@ -376,7 +380,9 @@ class Backend(abc.ABC):
         return None
 
     # -- composed operations: send/recv by default; override with a native call when faster ------
-    def all_to_all(self, sendbuf: Any, send_counts: list[int], recvbuf: Any, recv_counts: list[int]) -> Handle:
+    def all_to_all(
+        self, sendbuf: Any, send_counts: list[int], recvbuf: Any, recv_counts: list[int], seq: int
+    ) -> Handle:
         """Send ``send_counts[i]`` elements (in rank order) to rank i; receive ``recv_counts[i]`` from rank i."""
         so, ro, tag, me = _offsets(send_counts), _offsets(recv_counts), self.max_tag + TAG_COMPOSED, self.rank
         sflat, rflat = sendbuf.reshape(-1), recvbuf.reshape(-1)
@@ -390,7 +396,7 @@ class Backend(abc.ABC):
         self.group_end()
         return AllOf(handles)
 
-    def gather(self, sendbuf: Any, recvbuf: Any | None, root: int) -> Handle:
+    def gather(self, sendbuf: Any, recvbuf: Any | None, root: int, seq: int) -> Handle:
         """Every rank's ``sendbuf`` into chunk ``rank`` of ``root``'s ``recvbuf`` (None elsewhere)."""
         tag, k = self.max_tag + TAG_COMPOSED, sendbuf.size
         self.group_start()
@@ -404,7 +410,7 @@ class Backend(abc.ABC):
         self.group_end()
         return AllOf(handles)
 
-    def scatter(self, sendbuf: Any | None, recvbuf: Any, root: int) -> Handle:
+    def scatter(self, sendbuf: Any | None, recvbuf: Any, root: int, seq: int) -> Handle:
         """Chunk p of ``root``'s ``sendbuf`` (None elsewhere) into rank p's ``recvbuf``."""
         tag, k = self.max_tag + TAG_COMPOSED, recvbuf.size
         self.group_start()
@@ -417,6 +423,26 @@ class Backend(abc.ABC):
             handles = [self.recv(recvbuf, root, tag)]
         self.group_end()
         return AllOf(handles)
+
+    def close_check(self, seq: int, sent: list[int], received: list[int], timeout: float) -> list[tuple[int, int, int]]:
+        """The group's last exchange (``destroy_process_group``, the program's end): this rank made ``seq``
+        collectives, sent ``sent[p]`` messages to rank p and received ``received[p]`` from it. Returns, for
+        every rank p, (its collectives, its messages sent to this rank, received from this rank) (this rank's
+        own row: anything). The default all-gathers the counts with :meth:`all_gather`."""
+        n = self.size
+        mine = np.array([seq, *sent, *received], np.int64)
+        everyone = self.xp.zeros(n * (1 + 2 * n), np.int64)
+        if not self.all_gather(self.xp.asarray(mine), everyone, 0).wait(timeout):
+            raise CommTimeoutError(f"not every rank ended its calls within {timeout:g} s")
+        rows = to_host(everyone).reshape(n, 1 + 2 * n)
+        me = self.rank
+        return [(int(r[0]), int(r[1 + me]), int(r[1 + n + me])) for r in rows]
+
+    def close_failed(self, seq: int) -> None:
+        """The group failed on this rank (after ``seq`` collectives) and skips its closing check: a backend that
+        can tells the others at once, so their checks end with an error instead of a timeout. Never blocks. The
+        default does nothing (the others time out)."""
+        return None
 
     # -- communicators ----------------------------------------------------------------------------
     def rendezvous(self, ranks: list[int], timeout: float, payload: bytes = b"", what: str = "group setup") -> bytes:
@@ -468,8 +494,9 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def abort(self) -> None:
-        """Fence the communicator off after a failure: unblock what waits on a dead peer, if the engine can."""
+    def abort(self, reason: str = "") -> None:
+        """Fence the communicator off after a failure (``reason``: what failed, in words): unblock what waits on
+        a dead peer, and tell the other ranks, as far as the engine can. Never blocks."""
 
     @abc.abstractmethod
     def close(self) -> None:

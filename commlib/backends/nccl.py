@@ -21,7 +21,7 @@ import numpy as np
 from commlib._ops import ReduceOp
 from commlib.arrays import address, bfloat16, device_array, host_array
 from commlib.backends._cuda import load, nccl_unavailable_reason
-from commlib.backends.base import RESERVED_TAGS, Backend, Handle, Meeting, MeetingTimeout, poll
+from commlib.backends.base import Backend, Handle, Meeting, MeetingTimeout, poll
 from commlib.errors import CommError
 
 __all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unique_id"]
@@ -139,7 +139,7 @@ class NcclBackend(Backend):
 
     name = "nccl"
     any_source = False  # NCCL receives only from a named peer
-    max_tag = 2**31 - 1 - RESERVED_TAGS  # NCCL has no tags: accepted and ignored, as by torch's nccl backend
+    max_tag = 2**31 - 3  # NCCL has no tags: accepted and ignored, as by torch's nccl backend
 
     def __init__(
         self,
@@ -235,7 +235,7 @@ class NcclBackend(Backend):
             raise CommError(f"NCCL reported an error: {e}") from None
 
     # -- primitives ---------------------------------------------------------------
-    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
+    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
         view, dt, nop = self._reductions.get((sendbuf.dtype, op)) or self._reduction(sendbuf.dtype, op)
         s = sendbuf if view is None else sendbuf.view(view)
         r = s if sendbuf is recvbuf else recvbuf if view is None else recvbuf.view(view)
@@ -243,21 +243,21 @@ class NcclBackend(Backend):
         rptr = sptr if r is s else address(r)
         return self._enqueue(self.comm.allReduce, (sptr, rptr, s.size, dt, nop), (s, r))
 
-    def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int) -> Handle:
+    def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int, seq: int) -> Handle:
         s, count, dt, nop = self._reduce_args(sendbuf, op)
         r = self._move(recvbuf)[0]
         return self._enqueue(self.comm.reduce, (address(s), address(r), count, dt, nop, root), (s, r))
 
-    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp) -> Handle:
+    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
         s, _, dt, nop = self._reduce_args(sendbuf, op)
         r, count, _ = self._move(recvbuf)
         return self._enqueue(self.comm.reduceScatter, (address(s), address(r), count, dt, nop), (s, r))
 
-    def broadcast(self, buf: Any, root: int) -> Handle:
+    def broadcast(self, buf: Any, root: int, seq: int) -> Handle:
         b, count, dt = self._move(buf)
         return self._enqueue(self.comm.bcast, (address(b), count, dt, root), (b,))
 
-    def all_gather(self, sendbuf: Any | None, recvbuf: Any) -> Handle:
+    def all_gather(self, sendbuf: Any | None, recvbuf: Any, seq: int) -> Handle:
         r, total, dt = self._move(recvbuf)
         count = total // self.size
         sptr = address(r) + self.rank * count * r.itemsize if sendbuf is None else address(self._move(sendbuf)[0])
@@ -288,10 +288,10 @@ class NcclBackend(Backend):
                 handle.event = event
             self._grouped = []
 
-    def barrier(self) -> Handle:
+    def barrier(self, seq: int) -> Handle:
         """NCCL has no barrier: an all_reduce of one element stands in for it (as torch does)."""
         flag = self.xp.zeros(1, np.float32)
-        return self.all_reduce(flag, flag, ReduceOp.SUM)
+        return self.all_reduce(flag, flag, ReduceOp.SUM, seq)
 
     # -- communicators --------------------------------------------------------------
     def split(self, ranks: list[int], timeout: float) -> NcclBackend | None:
@@ -324,7 +324,7 @@ class NcclBackend(Backend):
         mapped = [self.bootstrap_ranks[r] for r in ranks]
         return NcclBackend(self.nccl, self.cuda, self.xp, comm, self.host, self.bootstrap, mapped)
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "") -> None:
         """Abort the communicator: unblocks work stuck on a dead peer (NCCL's ncclCommAbort)."""
         if not self._aborted:
             self._aborted = True

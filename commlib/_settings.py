@@ -1,0 +1,183 @@
+"""commlib's settings: every ``COMMLIB_*`` environment variable that changes how commlib runs, read once here.
+
+:data:`TABLE` is the one list (docs/reliability.md prints it): each setting's variable, default, meaning and
+whether it *shapes messages*. A setting that shapes messages decides which bytes go to which rank (the
+compiled executor present and on, the size up to which a message carries its stamp inline, the piece size
+of a large reduction, ...): every group's ranks exchange these when the group is created and take one
+pattern all of them speak (:func:`commlib.backends.mpi.MpiBackend.agree`), so a rank whose environment or
+install differs never leaves the others waiting for messages it will not send.
+
+Values are read when commlib is imported (a test that needs another value starts a process with it).
+Variables that the launcher and the test helper pass to their workers (``COMMLIB_LAUNCH_STATUS``,
+``COMMLIB_MONITOR_STORE``, ``COMMLIB_TESTING_WORKER``, ...) are how those tools talk to their workers,
+not settings: the modules that use them read them where they are used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TABLE", "Setting", "markdown", "value"]
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One environment variable: its name, default (as text), parser, meaning and whether it shapes messages."""
+
+    name: str
+    default: str
+    parse: Callable[[str], Any]
+    doc: str
+    shapes_messages: bool = False
+
+    def read(self, env: Mapping[str, str]) -> Any:
+        """The value in ``env`` (the default where unset or empty); ``ValueError`` naming the variable if bad."""
+        text = env.get(self.name, "").strip() or self.default
+        try:
+            return self.parse(text)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={text!r}: {e}") from None
+
+
+def _flag(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError("must be 0 or 1")
+    return text == "1"
+
+
+def _bytes(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise ValueError("must be a number of bytes >= 0")
+    return n
+
+
+def _count(text: str) -> int:
+    return _bytes(text)
+
+
+def _seconds(text: str) -> float | None:
+    if text == "none":
+        return None
+    s = float(text)
+    if not s > 0 or s == float("inf"):
+        raise ValueError("must be a positive number of seconds")
+    return s
+
+
+def _debug(text: str) -> bool:
+    return text.upper() == "DETAIL"
+
+
+def _text(text: str) -> str:
+    return text
+
+
+TABLE: tuple[Setting, ...] = (
+    Setting(
+        "COMMLIB_NATIVE",
+        "1",
+        _flag,
+        "1: run the mpi backend's steps in the compiled executor where it was built; 0: in Python (slower, the "
+        "same messages). Ranks may differ: each says which it runs, and a mixed group warns once",
+        shapes_messages=True,
+    ),
+    Setting(
+        "COMMLIB_MPI_PERSISTENT_MAX",
+        "4096",
+        _bytes,
+        "a message of up to this many bytes carries its stamp inline and moves through persistent requests over "
+        "scratch buffers (one copy in, one out); a larger one moves on the caller's arrays after a stamp message "
+        "of its own. A group takes its ranks' smallest value",
+        shapes_messages=True,
+    ),
+    Setting(
+        "COMMLIB_MPI_PIECE_BYTES",
+        str(2 << 20),
+        _bytes,
+        "an all_reduce of 4 pieces or more runs piece after piece of this many bytes (the cache keeps "
+        "each piece while it is reduced; 0: one piece). A group takes its ranks' smallest value",
+        shapes_messages=True,
+    ),
+    Setting(
+        "COMMLIB_MPI_COMPOSED",
+        "0",
+        _flag,
+        "1: all_to_all, gather and scatter run as the grouped sends and receives of the Backend base class "
+        "(as on backends without such calls; for testing them). A group composes if any rank asks",
+        shapes_messages=True,
+    ),
+    Setting(
+        "COMMLIB_MPI_BLOCK_FROM",
+        str(64 << 10),
+        _bytes,
+        "a wait for this many bytes or more blocks in MPI (without the GIL, up to 0.25 s) while its data may be "
+        "moving, where every rank of the node has a core of its own (0: never)",
+    ),
+    Setting(
+        "COMMLIB_TIMEOUT",
+        "none",
+        _seconds,
+        "seconds every blocking call of every group may wait (none: torch's defaults, 10 minutes for nccl and "
+        "30 for mpi; init_process_group(timeout=) and new_group(timeout=) win)",
+    ),
+    Setting(
+        "COMMLIB_DEBUG",
+        "",
+        _debug,
+        "DETAIL: before each collective, all-gather every rank's description of its call and, where they "
+        "differ, raise listing every rank's call (a second, slower check on top of the stamps)",
+    ),
+    Setting(
+        "COMMLIB_FLIGHT_RECORDER_SIZE",
+        "2000",
+        _count,
+        "collectives each process keeps in its flight recorder (0: no dumps)",
+    ),
+    Setting("COMMLIB_FLIGHT_DIR", "", _text, "where flight recorder dumps go (default: a folder per job in $TMPDIR)"),
+    Setting("COMMLIB_FLIGHT_SIGNAL", "1", _flag, "0: leave SIGUSR1 alone (1: it dumps the flight recorder)"),
+    Setting(
+        "COMMLIB_MONITOR",
+        "1",
+        _flag,
+        "0: no job monitor store (timeouts then cannot say which ranks arrived or what they were calling)",
+    ),
+    Setting(
+        "COMMLIB_ABORT_ON_EXCEPTION",
+        "1",
+        _flag,
+        "0: an uncaught exception on one rank leaves the others to their timeout instead of ending the job",
+    ),
+    Setting(
+        "COMMLIB_EXIT_GC", "0", _flag, "1: keep the interpreter's last garbage collection at exit (slow with torch)"
+    ),
+    Setting(
+        "COMMLIB_NCCL_EMULATOR",
+        "0",
+        _flag,
+        "1: the nccl backend runs over commlib's CPU emulator of cupy.cuda.nccl (for testing without a GPU)",
+    ),
+    Setting("COMMLIB_STORE_TOKEN", "", _text, "a shared secret every rendezvous store client must present"),
+    Setting(
+        "COMMLIB_DDP_TRACE", "", _text, "a file for ddp's Chrome-trace timeline of backward and bucket all-reduces"
+    ),
+)
+
+_BY_NAME = {s.name: s for s in TABLE}
+_VALUES = {s.name: s.read(os.environ) for s in TABLE}
+
+
+def value(name: str) -> Any:
+    """The value of setting ``name`` as read at import (``KeyError`` for a name not in :data:`TABLE`)."""
+    return _VALUES[name]
+
+
+def markdown() -> str:
+    """:data:`TABLE` as a Markdown table (docs/reliability.md holds a copy; a test keeps them equal)."""
+    rows = ["| variable | default | shapes messages | meaning |", "| --- | --- | --- | --- |"]
+    for s in TABLE:
+        rows.append(f"| `{s.name}` | `{s.default or '(unset)'}` | {'yes' if s.shapes_messages else 'no'} | {s.doc} |")
+    return "\n".join(rows)
