@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -14,7 +15,7 @@ from commlib._ops import ReduceOp, as_reduce_op
 from commlib._settings import value as setting
 from commlib._world import _state as _world
 from commlib._world import resolve
-from commlib.arrays import DTYPES, address, op_error, same_kind
+from commlib.arrays import DTYPES, address, op_error, same_kind, strided_view
 
 __all__ = [
     "all_gather",
@@ -26,6 +27,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "in_place",
     "root_rank",
     "check_list",
     "pair",
@@ -52,6 +54,28 @@ def _op(op: Any, dtype: np.dtype, g: ProcessGroup, call: str) -> ReduceOp:
         )
     g.reductions.add((op, dtype))
     return op
+
+
+def in_place(g: ProcessGroup, tensor: Any, call: str, writable: bool = True) -> tuple[Any, Any]:
+    """The tensor of an in-place call (all_reduce, broadcast, reduce; send and recv) as the backend's array, and
+    what to run once the call is done (None). A non-contiguous tensor, which torch's backends take too: a
+    contiguous copy, and the copy back (``writable``); a call that fails leaves the tensor as it was."""
+    try:
+        return g.buffer(tensor, g, call, "tensor", writable), None
+    except ValueError:
+        view = strided_view(tensor, g.host, f"{g.label}{call}", "tensor")
+        if view.flags.c_contiguous or view.dtype not in DTYPES or (writable and not _writable(view)):
+            raise  # not about the layout: the intake's own error
+    staged = g.xp.ascontiguousarray(view)
+    return staged, (functools.partial(_copy_back, view, staged) if writable else None)
+
+
+def _writable(a: Any) -> bool:
+    return bool(getattr(a.flags, "writeable", True))  # device arrays have no read-only flag
+
+
+def _copy_back(view: Any, staged: Any) -> None:
+    view[...] = staged
 
 
 def root_rank(g: ProcessGroup, call: str, rank: Any, group_rank: Any, arg: str, default: int | None = None) -> int:
@@ -131,16 +155,16 @@ def all_reduce(
         return None
     if g is None or type(g) is not ProcessGroup or g.broken is not None or g.backend is None:
         g, _ = resolve(group, "all_reduce")
-    a = tensor
+    a, back = tensor, None
     if type(a) is not np.ndarray or not g.host or not (a.flags.carray and a.dtype in DTYPES):
-        a = g.buffer(tensor, g, "all_reduce", "tensor")
+        a, back = in_place(g, tensor, "all_reduce")
     # SUM is defined for every dtype on mpi: skip the op check on the hot path there
     if op is not _SUM or g.limits is not None:
         op = _op(op, a.dtype, g, "all_reduce")
     if g.detail:
         check_call(g, "all_reduce", a, op)
-    if async_op or (fused := g.fused_all_reduce) is None or not g.host:
-        return g.issue("all_reduce", "all_reduce", (a, a, op), async_op, a.dtype, a.size)
+    if async_op or (fused := g.fused_all_reduce) is None or not g.host or back is not None:
+        return g.issue("all_reduce", "all_reduce", (a, a, op), async_op, a.dtype, a.size, back)
     g.run("all_reduce", a.dtype, a.size, g.timeout, fused, a, a, op)  # issue(), inlined
     return None
 
@@ -241,11 +265,11 @@ def broadcast(
         run_ready(ready[0], "broadcast", ready[1], tensor, tensor)
         return None
     g, _ = resolve(group, "broadcast")
-    a = g.buffer(tensor, g, "broadcast", "tensor")
+    a, back = in_place(g, tensor, "broadcast")
     root = root_rank(g, "broadcast", src, group_src, "src")
     if g.detail:
         check_call(g, "broadcast", a, root=root)
-    return g.issue("broadcast", "broadcast", (a, root), async_op, a.dtype, a.size)
+    return g.issue("broadcast", "broadcast", (a, root), async_op, a.dtype, a.size, back)
 
 
 def reduce(
@@ -262,12 +286,12 @@ def reduce(
         run_ready(ready[0], call, ready[1], tensor, tensor)
         return None
     g, _ = resolve(group, call)
-    a = g.buffer(tensor, g, call, "tensor")
+    a, back = in_place(g, tensor, call)
     op = _op(op, a.dtype, g, call)
     root = root_rank(g, call, dst, group_dst, "dst")
     if g.detail:
         check_call(g, call, a, op, root)
-    return g.issue(call, "reduce", (a, a, op, root), async_op, a.dtype, a.size)
+    return g.issue(call, "reduce", (a, a, op, root), async_op, a.dtype, a.size, back)
 
 
 def pair(g: ProcessGroup, call: str, output: Any, out_arg: str, input: Any, in_arg: str) -> tuple[Any, Any]:

@@ -23,7 +23,7 @@ from commlib._diagnostics import flight as _flight
 from commlib._timeouts import as_seconds
 from commlib.arrays import host_array
 from commlib.backends._stamp import PeerGaveUp, StampMismatch
-from commlib.backends.base import Backend, Chained, Handle
+from commlib.backends.base import Backend, CallsDiffer, Chained, Handle
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupBrokenError, TransportError
 
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
@@ -313,7 +313,8 @@ class ProcessGroup:
 
     def what(self, call: str, seq: int, more: str = "") -> str:
         """``[rank r/n] call (call #seq on group 'name', ranks [...]more)``: how errors name a call."""
-        return f"{self.label}{call} (call #{seq} on group {self.name!r}, ranks {_ranks(self.ranks)}{more})"
+        number = f"call #{seq} " if seq else ""  # sends and receives are not numbered
+        return f"{self.label}{call} ({number}on group {self.name!r}, ranks {_ranks(self.ranks)}{more})"
 
     def dumped(self, reason: str) -> str:
         """Dump the flight recorder for ``reason`` (on this group); the note that says where, for a message."""
@@ -328,6 +329,12 @@ class ProcessGroup:
             text = (
                 f"{self.what(call, seq)}: the ranks are not making the same call: rank {peer} sent {err.got}, "
                 f"where this rank's call expects {err.wanted}; the group is now unusable"
+            )
+        elif isinstance(err, CallsDiffer):
+            text = (
+                f"{self.what(call, seq)}: the ranks are not making the same call: another rank's call differs from "
+                f"this rank's {err.mine} (the {self.backend_name} backend compares fingerprints: it cannot say "
+                "which rank, nor its call; COMMLIB_DEBUG=DETAIL lists every rank's); the group is now unusable"
             )
         else:
             entry = _starts[slot] if slot >= 0 else None

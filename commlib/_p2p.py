@@ -6,11 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import ready_rest
+from commlib._collectives import in_place, ready_rest
 from commlib._group import ProcessGroup, Work
 from commlib._world import _state as _world
 from commlib._world import label, resolve
-from commlib.backends.base import Backend
+from commlib.backends.base import Backend, Chained
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
@@ -75,7 +75,7 @@ def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_pe
 
 def _send_args(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> tuple:
     g, b = resolve(group, call)
-    a = g.buffer(tensor, g, call, "tensor", writable=False)
+    a, _ = in_place(g, tensor, call, writable=False)  # a non-contiguous tensor: a contiguous copy
     peer = _peer(g, call, dst, group_dst, "dst")
     args = (a, peer, _tag(g, b, call, tag))
     g.sent[peer] += 1  # counted for the group's closing check
@@ -83,12 +83,13 @@ def _send_args(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call
 
 
 def _recv_args(tensor: Any, src: Any, group: Any, tag: Any, group_src: Any, call: str) -> tuple:
+    """(group, backend, the backend's arguments, what to run once received: a non-contiguous tensor's copy back)."""
     g, b = resolve(group, call)
-    a = g.buffer(tensor, g, call, "tensor")
+    a, back = in_place(g, tensor, call)
     peer = _source(g, b, call, src, group_src)
     args = (a, peer, _tag(g, b, call, tag))
     _count_receive(g, peer)
-    return g, b, args
+    return g, b, args, back
 
 
 def _count_receive(g: ProcessGroup, peer: int | None) -> None:
@@ -111,8 +112,9 @@ def irecv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> Work:
     """Start receiving into ``tensor`` from global rank ``src`` (None: any rank); returns a Work."""
-    g, b, args = _recv_args(tensor, src, group, tag, group_src, "irecv")
-    return Work(g, b.recv(*args), "irecv", 0, ordered=False, receive=True)
+    g, b, args, back = _recv_args(tensor, src, group, tag, group_src, "irecv")
+    handle = b.recv(*args)
+    return Work(g, handle if back is None else Chained(handle, back), "irecv", 0, ordered=False, receive=True)
 
 
 def send(
@@ -135,13 +137,16 @@ def recv(
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
     if _ran_ready("recv", tensor, src, group, tag, group_src):
         return src  # type: ignore[return-value]  # an int: _ran_ready checked
-    g, b, args = _recv_args(tensor, src, group, tag, group_src, "recv")
+    g, b, args, back = _recv_args(tensor, src, group, tag, group_src, "recv")
     peer = args[1]
     fused = g.fused.get("recv") if g.host and peer is not None else None
     if fused is not None:
         g.complete("recv", 0, -1, g.timeout, fused, *args)
+        if back is not None:
+            back()
         return g.ranks[peer]
-    work = Work(g, b.recv(*args), "recv", 0, ordered=False, receive=True)
+    handle = b.recv(*args)
+    work = Work(g, handle if back is None else Chained(handle, back), "recv", 0, ordered=False, receive=True)
     if peer is None:
         return work.source_rank()
     work.wait()

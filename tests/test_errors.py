@@ -52,11 +52,11 @@ CASES = {
         TypeError,
         "output_tensor has dtype float64 but input_tensor has dtype float32",
     ),
-    "non-contiguous": (
-        lambda d, g: d.all_reduce(_f32(8)[::2], group=g),
-        lambda d, g: d.all_reduce(_f32(4), group=g),
+    "non-contiguous": (  # an output that is not one of an in-place call's tensor: refused
+        lambda d, g: d.all_gather_into_tensor(_f32(16)[::2], _f32(4)[:2], group=g),
+        lambda d, g: d.all_gather_into_tensor(_f32(6), _f32(2), group=g),
         ValueError,
-        "all_reduce: tensor must be contiguous (C order), got shape (4,) with strides (8,)",
+        "all_gather_into_tensor: output_tensor must be contiguous (C order), got shape (8,) with strides (8,)",
     ),
     "read-only output": (
         lambda d, g: d.all_reduce(_readonly(), group=g),

@@ -82,7 +82,7 @@ def errors_job() -> dict:
         "src outside the group": _caught(lambda: dist.broadcast(torch.zeros(2), src=5)),
         "dst outside the group": _caught(lambda: dist.send(torch.zeros(2), dst=7)),
         "PREMUL_SUM": _caught(lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))),
-        "not contiguous": _caught(lambda: dist.all_reduce(torch.zeros(4, 4).t())),
+        "not contiguous": _caught(lambda: dist.all_gather_into_tensor(torch.zeros(4, 4).t(), torch.zeros(8))),
     }
     late = dist.new_group(timeout=datetime.timedelta(seconds=3))
     dist.barrier()  # every rank is past the bad-input calls: nothing is pending anywhere

@@ -160,6 +160,8 @@ def _publish(g: Any, call: str, seq: int, what: str | None = None) -> None:
     """Tell the others this rank waits in call #``seq`` (``what``: the call in the words of its stamps)."""
     if what is not None:
         _state.mine[(g.name, seq)] = what
+    elif (g.name, seq) in _state.mine:  # said already, in more words: keep them
+        return
     if (g.name, seq, what is None) not in _state.published:
         _state.published.add((g.name, seq, what is None))
         _call("set", _progress_key(g, g.rank), f"{seq} {call}" + ("" if what is None else f"\t{what}"))
@@ -194,6 +196,11 @@ def arrival(g: Any, call: str, seq: int, timeout: float) -> tuple[str, bool]:
     text for the error; and whether every rank arrived but their calls differ (a mismatched program)."""
     if g.rank < 0:
         return "", False
+    if seq == 0:  # a send or a receive (not numbered): where the others are
+        places = [
+            f"rank {g.ranks[p]} is in {s[1]} #{s[0]}" for p in range(g.size) if p != g.rank and (s := _progress(g, p))
+        ]
+        return (f" ({'; '.join(places)})" if places else ""), False
     _publish(g, call, seq)
     deadline, seen = time.monotonic() + min(_GRACE, timeout / 4), None
     while _state.dead is None:

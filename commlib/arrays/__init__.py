@@ -27,6 +27,7 @@ from commlib.arrays._intake import (
     host_array,
     reject,
     same_kind,
+    strided_view,
     to_device,
     to_host,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "op_error",
     "reject",
     "same_kind",
+    "strided_view",
     "to_device",
     "to_host",
     "torch_dtype",

@@ -20,6 +20,7 @@ __all__ = [
     "address",
     "as_array",
     "device_array",
+    "strided_view",
     "from_array",
     "host_array",
     "reject",
@@ -101,6 +102,16 @@ def _device_view(obj: object, where: str, arg: str) -> Any:
             "host arrays go through backend='mpi'"
         )
     return cupy.asarray(obj)
+
+
+def strided_view(obj: object, host: bool, where: str, arg: str) -> Any:
+    """``obj`` as a numpy (``host``) or cupy view of its memory, whatever its strides: what a call that stages a
+    non-contiguous tensor (copied in, and its result copied back) works from. Other refusals as the intake's."""
+    if host:
+        return obj if type(obj) is np.ndarray else _host_view(obj, where, arg)
+    import cupy
+
+    return obj if isinstance(obj, cupy.ndarray) else _device_view(obj, where, arg)
 
 
 def reject(a: Any, where: str, arg: str, writable: bool) -> Any:

@@ -36,10 +36,11 @@ import numpy as np
 
 from commlib._ops import ReduceOp
 from commlib.arrays import host_array, to_host
-from commlib.errors import CommError, CommTimeoutError
+from commlib.errors import CommError, CommTimeoutError, TransportError
 
 __all__ = [
     "DONE",
+    "CallsDiffer",
     "SLOW_BYTES_PER_S",
     "AllOf",
     "Backend",
@@ -65,6 +66,15 @@ watchdog: Callable[[float, str | None], None] | None = None
 #: notice that it gave up on the group, see :meth:`Backend.abort`).
 TAG_MEET, TAG_COMPOSED, TAG_FAIL = 1, 2, 3
 RESERVED_TAGS = 3
+
+
+class CallsDiffer(TransportError):
+    """Another rank made another call than this one (``mine``: this rank's, in words); which call, the engine
+    cannot say (NCCL reduces fingerprints; the mpi backend's stamps name the other call: ``StampMismatch``)."""
+
+    def __init__(self, mine: str) -> None:
+        self.mine = mine
+        super().__init__(f"another rank made another call than this rank's {mine}")
 
 
 class Meeting(Protocol):
@@ -210,6 +220,11 @@ class Chained:
 
     def defer(self) -> bool:
         return False  # finish() runs on the host, after completion
+
+    @property
+    def source(self) -> int:
+        """A receive's sender (the inner handle's)."""
+        return self.inner.source  # type: ignore[attr-defined]
 
 
 class AllOf:

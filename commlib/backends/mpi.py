@@ -14,6 +14,7 @@ which does not) is agreed by the group's ranks when the group is made (:meth:`Mp
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import math
 import time
@@ -37,15 +38,22 @@ from commlib.errors import CommError, CommTimeoutError
 __all__ = ["MpiBackend", "pattern"]
 
 _AVG, _SUM = ReduceOp.AVG, ReduceOp.SUM
-_VERSION = "0.1.0"  # commlib's, as the package says (checked by a test)
 _CACHE = 128  # executors a communicator keeps (each holds its scratch and persistent requests)
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("commlib")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on the path, not installed
+        return "unknown"
 
 
 def pattern() -> dict[str, Any]:
     """What this process brings to a group: the settings that shape messages, and what it runs on."""
     return {
         "protocol": _stamp.MAGIC & 0xFF,
-        "commlib": _VERSION,
+        "commlib": _version(),
         "mpi": MPI.Get_library_version().splitlines()[0].strip(),
         "native": _native.Steps is not None,
         "small": setting("COMMLIB_MPI_PERSISTENT_MAX"),

@@ -12,7 +12,9 @@ Buffers are kept alive by the handle until the event has completed.
 
 from __future__ import annotations
 
+import collections
 import functools
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +23,7 @@ import numpy as np
 from commlib._ops import ReduceOp
 from commlib.arrays import address, bfloat16, device_array, host_array
 from commlib.backends._cuda import load, nccl_unavailable_reason
-from commlib.backends.base import Backend, Handle, Meeting, MeetingTimeout, poll
+from commlib.backends.base import Backend, CallsDiffer, Handle, Meeting, MeetingTimeout, poll
 from commlib.errors import CommError
 
 __all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unique_id"]
@@ -62,7 +64,7 @@ _BOOL_OPS = {
     ReduceOp.MIN: ReduceOp.MIN,
     ReduceOp.BAND: ReduceOp.MIN,
 }
-_BOOL, _SPLIT_NOCOLOR = np.dtype(np.bool_), -1
+_BOOL, _SPLIT_NOCOLOR, _INT64 = np.dtype(np.bool_), -1, np.dtype(np.int64)
 
 
 def check_reduction(dtype: np.dtype, op: ReduceOp) -> str | None:
@@ -95,18 +97,22 @@ def _from_torch(kind: type) -> bool:
 class _EventHandle:
     """Completion of enqueued work: an event recorded on the group's stream after it."""
 
-    __slots__ = ("backend", "caller", "event", "keep")
+    __slots__ = ("backend", "caller", "check", "event", "keep")
 
     def __init__(self, backend: NcclBackend, event: Any, keep: tuple, caller: Any) -> None:
         self.backend = backend
         self.event = event  # None while the enclosing NCCL group has not ended
         self.keep = keep  # buffers that must outlive the operation
         self.caller = caller  # the stream the caller's work was on when it was enqueued (None on the emulator)
+        self.check: tuple | None = None  # (fingerprints, this rank's, its call in words): see NcclBackend._checked
 
     def test(self) -> bool:
         if self.event is not None and self.event.done:
             self.backend.raise_async_error()  # work that ended because the communicator failed did not complete
             self.keep = ()
+            if self.check is not None:
+                check, self.check = self.check, None
+                _verify(*check)
             return True
         self.backend.raise_async_error()
         return False
@@ -120,6 +126,23 @@ class _EventHandle:
             return False
         (self.caller or self.backend.caller_stream(self.keep)).wait_event(self.event)
         return True
+
+
+def _fingerprint(kind: str, seq: int, dtype: Any, count: int, op: ReduceOp | None, root: int) -> tuple[int, str]:
+    """A call's fingerprint (63 bits: its sequence number and a CRC of what must agree) and its words."""
+    text = (
+        f"{kind} #{seq} ({dtype}, {count} elements"
+        + (f", {op.name}" if op else "")
+        + (f", root {root})" if root >= 0 else ")")
+    )
+    return ((seq & 0x7FFFFFFF) << 32) | zlib.crc32(text.encode()), text
+
+
+def _verify(fingerprints: Any, mine: int, text: str) -> None:
+    """After a checked call: every rank's fingerprint was this rank's (the max and the min of all are)."""
+    got = fingerprints.get() if hasattr(fingerprints, "get") else fingerprints
+    if int(got[0]) != mine or -int(got[1]) != mine:
+        raise CallsDiffer(text)
 
 
 def unique_id(nccl: Any) -> bytes:
@@ -161,6 +184,7 @@ class NcclBackend(Backend):
         self._ops = {op: getattr(nccl, n) for op, n in _OP_NAMES.items()}
         self._depth = 0
         self._grouped: list[_EventHandle] = []
+        self._unverified: collections.deque[_EventHandle] = collections.deque()  # device calls to check later
         self._aborted = False
 
     def __repr__(self) -> str:
@@ -234,34 +258,70 @@ class NcclBackend(Backend):
         except self.nccl.NcclError as e:
             raise CommError(f"NCCL reported an error: {e}") from None
 
+    # -- the check: every collective with its fingerprint ------------------------------------------
+    def _checked(self, call: tuple, launch: Callable[..., None], args: tuple, keep: tuple) -> _EventHandle:
+        """``launch(*args)`` and, in the same NCCL group, a MAX all-reduce of this call's fingerprint and its
+        negation (``call``: kind, seq, dtype, count, op, root): every rank made the same call exactly when the
+        result is the fingerprint and its negation again. NCCL cannot say what another rank called, only that
+        the calls differ; the check runs when the host learns the work is done (a wait, a test: a call whose
+        stream alone waits is checked once a later call finds it done)."""
+        self._verify_done()
+        mine, text = _fingerprint(*call)
+        prints = self.xp.asarray(np.array([mine, -mine], np.int64))
+        at = address(prints)
+        self.group_start()
+        try:
+            self._enqueue(self.comm.allReduce, (at, at, 2, self._types[_INT64], self._ops[ReduceOp.MAX]), (prints,))
+            handle = self._enqueue(launch, args, keep)
+        finally:
+            self.group_end()
+        handle.check = (prints, mine, text)
+        if not self.host:
+            self._unverified.append(handle)
+        return handle
+
+    def _verify_done(self) -> None:
+        """The checks of earlier device calls whose work is done, oldest first (never waits)."""
+        pending = self._unverified
+        while pending and (pending[0].check is None or (pending[0].event is not None and pending[0].event.done)):
+            handle = pending.popleft()
+            if handle.check is not None:
+                check, handle.check = handle.check, None
+                _verify(*check)
+
     # -- primitives ---------------------------------------------------------------
-    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
+    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int, kind: str = "all_reduce") -> Handle:
         view, dt, nop = self._reductions.get((sendbuf.dtype, op)) or self._reduction(sendbuf.dtype, op)
         s = sendbuf if view is None else sendbuf.view(view)
         r = s if sendbuf is recvbuf else recvbuf if view is None else recvbuf.view(view)
         sptr = address(s)
         rptr = sptr if r is s else address(r)
-        return self._enqueue(self.comm.allReduce, (sptr, rptr, s.size, dt, nop), (s, r))
+        call = (kind, seq, sendbuf.dtype, sendbuf.size, op, -1)
+        return self._checked(call, self.comm.allReduce, (sptr, rptr, s.size, dt, nop), (s, r))
 
     def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int, seq: int) -> Handle:
         s, count, dt, nop = self._reduce_args(sendbuf, op)
         r = self._move(recvbuf)[0]
-        return self._enqueue(self.comm.reduce, (address(s), address(r), count, dt, nop, root), (s, r))
+        call = ("reduce", seq, sendbuf.dtype, sendbuf.size, op, root)
+        return self._checked(call, self.comm.reduce, (address(s), address(r), count, dt, nop, root), (s, r))
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
         s, _, dt, nop = self._reduce_args(sendbuf, op)
         r, count, _ = self._move(recvbuf)
-        return self._enqueue(self.comm.reduceScatter, (address(s), address(r), count, dt, nop), (s, r))
+        call = ("reduce_scatter", seq, recvbuf.dtype, recvbuf.size, op, -1)
+        return self._checked(call, self.comm.reduceScatter, (address(s), address(r), count, dt, nop), (s, r))
 
     def broadcast(self, buf: Any, root: int, seq: int) -> Handle:
         b, count, dt = self._move(buf)
-        return self._enqueue(self.comm.bcast, (address(b), count, dt, root), (b,))
+        call = ("broadcast", seq, buf.dtype, buf.size, None, root)
+        return self._checked(call, self.comm.bcast, (address(b), count, dt, root), (b,))
 
     def all_gather(self, sendbuf: Any | None, recvbuf: Any, seq: int) -> Handle:
         r, total, dt = self._move(recvbuf)
         count = total // self.size
         sptr = address(r) + self.rank * count * r.itemsize if sendbuf is None else address(self._move(sendbuf)[0])
-        return self._enqueue(self.comm.allGather, (sptr, address(r), count, dt), (sendbuf, r))
+        call = ("all_gather", seq, recvbuf.dtype, recvbuf.size // self.size, None, -1)
+        return self._checked(call, self.comm.allGather, (sptr, address(r), count, dt), (sendbuf, r))
 
     def send(self, buf: Any, peer: int, tag: int) -> Handle:
         b, count, dt = self._move(buf)
@@ -291,7 +351,7 @@ class NcclBackend(Backend):
     def barrier(self, seq: int) -> Handle:
         """NCCL has no barrier: an all_reduce of one element stands in for it (as torch does)."""
         flag = self.xp.zeros(1, np.float32)
-        return self.all_reduce(flag, flag, ReduceOp.SUM, seq)
+        return self.all_reduce(flag, flag, ReduceOp.SUM, seq, "barrier")
 
     # -- communicators --------------------------------------------------------------
     def split(self, ranks: list[int], timeout: float) -> NcclBackend | None:
