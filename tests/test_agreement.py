@@ -129,6 +129,6 @@ def test_ranks_of_another_protocol_cannot_make_a_group() -> None:
         _agree([mine, other])
     agreed, notes = _agree([mine, {**mine, "commlib": "9.9.9"}])
     assert agreed["small"] == mine["small"] and notes == [
-        f"commlib's version: ranks [0]: \"{mine['commlib']}\", ranks [1]: \"9.9.9\" (the same protocol: they work "
+        f'commlib\'s version: ranks [0]: "{mine["commlib"]}", ranks [1]: "9.9.9" (the same protocol: they work '
         "together)"
     ]
