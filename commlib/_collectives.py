@@ -64,14 +64,10 @@ def in_place(g: ProcessGroup, tensor: Any, call: str, writable: bool = True) -> 
         return g.buffer(tensor, g, call, "tensor", writable), None
     except ValueError:
         view = strided_view(tensor, g.host, f"{g.label}{call}", "tensor")
-        if view.flags.c_contiguous or view.dtype not in DTYPES or (writable and not _writable(view)):
-            raise  # not about the layout: the intake's own error
+        if view.flags.c_contiguous or view.dtype not in DTYPES or (writable and g.host and not view.flags.writeable):
+            raise  # not about the layout: the intake's own error (device memory has no read-only flag)
     staged = g.xp.ascontiguousarray(view)
     return staged, (functools.partial(_copy_back, view, staged) if writable else None)
-
-
-def _writable(a: Any) -> bool:
-    return bool(getattr(a.flags, "writeable", True))  # device arrays have no read-only flag
 
 
 def _copy_back(view: Any, staged: Any) -> None:

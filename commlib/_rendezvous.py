@@ -26,6 +26,7 @@ from typing import Any
 
 from commlib._environment import LaunchInfo, detect, mpi_launched
 from commlib._group import ProcessGroup
+from commlib._settings import value as setting
 from commlib.backends.base import Backend, MeetingTimeout
 from commlib.errors import BackendUnavailableError, CommError, CommTimeoutError
 from commlib.store import FileStore, PrefixStore, Store, TCPStore, as_store
@@ -70,7 +71,7 @@ def _skip_the_last_collection() -> None:
     exit. Objects are still released by reference counting and module teardown, as at any exit;
     ``COMMLIB_EXIT_GC=1`` keeps the collection.
     """
-    if os.environ.get("COMMLIB_EXIT_GC", "0") != "1":
+    if not setting("COMMLIB_EXIT_GC"):
         atexit.register(gc.freeze)  # atexit runs last in, first out: this runs after handlers added later
 
 

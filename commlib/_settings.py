@@ -7,7 +7,10 @@ of a large reduction, ...): every group's ranks exchange these when the group is
 pattern all of them speak (:func:`commlib.backends.mpi.MpiBackend.agree`), so a rank whose environment or
 install differs never leaves the others waiting for messages it will not send.
 
-Values are read when commlib is imported (a test that needs another value starts a process with it).
+Values are read when commlib is imported (a test that needs another value starts a process with it), but
+``COMMLIB_TIMEOUT``, read when a default group is made (:func:`current`). The table documents every variable a
+user may set; ``ddp`` (which uses only commlib's public API) and the launcher's helpers read theirs where they
+use them.
 Variables that the launcher and the test helper pass to their workers (``COMMLIB_LAUNCH_STATUS``,
 ``COMMLIB_MONITOR_STORE``, ``COMMLIB_TESTING_WORKER``, ...) are how those tools talk to their workers,
 not settings: the modules that use them read them where they are used.
@@ -20,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TABLE", "Setting", "markdown", "value"]
+__all__ = ["TABLE", "Setting", "current", "markdown", "value"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +176,12 @@ _VALUES = {s.name: s.read(os.environ) for s in TABLE}
 def value(name: str) -> Any:
     """The value of setting ``name`` as read at import (``KeyError`` for a name not in :data:`TABLE`)."""
     return _VALUES[name]
+
+
+def current(name: str) -> Any:
+    """The value of setting ``name`` in the environment now (for the few a program may set after importing
+    commlib, before the call that reads them: ``COMMLIB_TIMEOUT``, read when a default group is made)."""
+    return _BY_NAME[name].read(os.environ)
 
 
 def markdown() -> str:

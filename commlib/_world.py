@@ -11,6 +11,7 @@ from typing import Any
 from commlib._environment import LaunchInfo, detect
 from commlib._group import ProcessGroup
 from commlib._rendezvous import make_world
+from commlib._settings import current
 from commlib._timeouts import as_seconds
 from commlib.backends.base import Backend
 from commlib.errors import CommTimeoutError
@@ -78,8 +79,8 @@ def _choose_backend(backend: str | None) -> str:
 
 
 def _default_timeout(name: str) -> float:
-    env = os.environ.get("COMMLIB_TIMEOUT")
-    return as_seconds(float(env), "COMMLIB_TIMEOUT") if env else DEFAULT_TIMEOUT[name]
+    seconds = current("COMMLIB_TIMEOUT")  # read when a default group is made (a program may set it before)
+    return DEFAULT_TIMEOUT[name] if seconds is None else seconds
 
 
 def init_process_group(

@@ -13,12 +13,12 @@ flag set when the group was created.
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Any
 
 import numpy as np
 
 from commlib._diagnostics import flight
+from commlib._settings import value as setting
 from commlib.arrays import to_device, to_host
 from commlib.errors import CollectiveMismatchError
 
@@ -30,7 +30,7 @@ _RECORD = 256  # bytes per rank: a digest of the whole description, then as much
 
 def detail() -> bool:
     """Whether ``COMMLIB_DEBUG`` asks for call checks (``DETAIL``, as torch's TORCH_DISTRIBUTED_DEBUG)."""
-    return os.environ.get("COMMLIB_DEBUG", "").strip().upper() == "DETAIL"
+    return bool(setting("COMMLIB_DEBUG"))
 
 
 def describe(call: str, seq: int, a: Any = None, op: Any = None, root: int | None = None, shape: Any = None) -> str:

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from commlib._settings import value as setting
+
 __all__ = ["COMPLETED", "FAILED", "STARTED", "dump", "entries", "install_signal", "now", "ring", "summarize", "waiting"]
 
 STARTED, COMPLETED, FAILED = "started", "completed", "failed"
@@ -36,10 +38,7 @@ _EPOCH_NS = time.time_ns() - now()  # converts perf_counter_ns readings to wall-
 
 
 def _size() -> int:
-    try:
-        return max(0, int(os.environ.get("COMMLIB_FLIGHT_RECORDER_SIZE", "2000")))
-    except ValueError:
-        return 2000
+    return int(setting("COMMLIB_FLIGHT_RECORDER_SIZE"))
 
 
 class Ring:
@@ -165,7 +164,7 @@ def install_signal() -> None:
     if os.environ.get("COMMLIB_LAUNCH_STATUS") and not _meta.get("atexit"):
         _meta["atexit"] = True
         atexit.register(_dump_at_exit)  # runs before MPI_Finalize (atexit is last in, first out)
-    if os.environ.get("COMMLIB_FLIGHT_SIGNAL", "1") == "0":
+    if not setting("COMMLIB_FLIGHT_SIGNAL"):
         return
     try:
         if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):

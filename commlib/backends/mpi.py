@@ -230,11 +230,18 @@ class MpiBackend(Backend):
             if len(self.ops) >= self.limit:
                 self._evict(next(iter(self.ops)))
             self.ops[key] = ex
-            lookup = _lookup(key)
-            if lookup is not None:
-                table, entry = lookup
+            for table, entry in _lookups(key, self.size):
                 (self.summed if table == "sums" else self.ready[table])[entry] = ex
         return ex
+
+    def _unlist(self, key: tuple, ex: Any) -> None:
+        """``ex`` out of the cache and of the group layer's lookups."""
+        if self.ops.get(key) is ex:
+            del self.ops[key]
+        for name, entry in _lookups(key, self.size):
+            table = self.summed if name == "sums" else self.ready[name]
+            if table.get(entry) is ex:
+                del table[entry]
 
     def give_back(self, key: tuple, ex: Any) -> None:
         """An asynchronous call's executor, idle again."""
@@ -247,12 +254,8 @@ class MpiBackend(Backend):
             ex.free()
 
     def _evict(self, key: tuple) -> None:
-        ex = self.ops.pop(key)
-        lookup = _lookup(key)
-        if lookup is not None:
-            table = self.summed if lookup[0] == "sums" else self.ready[lookup[0]]
-            if table.get(lookup[1]) is ex:
-                del table[lookup[1]]
+        ex = self.ops[key]
+        self._unlist(key, ex)
         if ex.state == "idle":
             ex.free()
         else:
@@ -289,13 +292,7 @@ class MpiBackend(Backend):
 
     def _forget(self, key: tuple, ex: Any) -> None:
         """An executor that failed or timed out: out of every table, kept referenced (MPI may use its buffers)."""
-        if self.ops.get(key) is ex:
-            self.ops.pop(key)
-            lookup = _lookup(key)
-            if lookup is not None:
-                table = self.summed if lookup[0] == "sums" else self.ready[lookup[0]]
-                if table.get(lookup[1]) is ex:
-                    del table[lookup[1]]
+        self._unlist(key, ex)
         self.abandoned.append(ex)
 
     # -- collectives: asynchronous --------------------------------------------------------------------------
@@ -550,33 +547,38 @@ _TABLES = (
 )
 
 
-def _lookup(key: tuple) -> tuple[str, tuple] | None:
-    """Where the group layer finds the executor of ``key`` (Backend.sums / residents): (table, entry); None:
+def _lookups(key: tuple, size: int) -> list[tuple[str, tuple]]:
+    """Where the group layer finds the executor of ``key`` (Backend.sums / residents): (table, entry) pairs; none:
     only through Backend.fused (another op than SUM, an in-place all_gather)."""
     kind = key[0]
     if kind == "all_reduce":  # (kind, shape, dtype, op)
-        return ("sums", (key[1], key[2])) if key[3] is _SUM else None
+        return [("sums", (key[1], key[2]))] if key[3] is _SUM else []
     if kind == "broadcast":  # (kind, shape, dtype, root)
-        return "broadcast", key[1:]
+        return [("broadcast", key[1:])]
     if kind == "reduce":  # (kind, shape, dtype, op, root)
-        return ("reduce", (key[1], key[2], key[4])) if key[3] is _SUM else None
+        return [("reduce", (key[1], key[2], key[4]))] if key[3] is _SUM else []
     if kind == "all_gather":  # (kind, input shape, output shape, dtype); None: in place
-        return None if key[1] is None else ("all_gather", (key[1], key[3], key[2], key[3]))
+        return [] if key[1] is None else [("all_gather", (key[1], key[3], key[2], key[3]))]
     if kind == "reduce_scatter":  # (kind, input shape, output shape, dtype, op)
-        return ("reduce_scatter", (key[1], key[3], key[2], key[3])) if key[4] is _SUM else None
-    if kind == "all_to_all":  # (kind, input shape, output shape, dtype): equal splits only
-        return "all_to_all", (key[1], key[3], key[2], key[3])
+        return [("reduce_scatter", (key[1], key[3], key[2], key[3]))] if key[4] is _SUM else []
+    if kind == "all_to_all":  # (kind, input shape, output shape, dtype): even splits, given or not
+        rows_in, rows_out = (key[1][0] if key[1] else 1), (key[2][0] if key[2] else 1)
+        even = ((rows_in // size,) * size, (rows_out // size,) * size)
+        return [
+            ("all_to_all", (key[1], key[3], key[2], key[3])),
+            ("all_to_all_v", (key[1], key[3], key[2], key[3], even)),
+        ]
     if kind in ("gather", "scatter"):  # (kind, chunk shape, dtype, root)
-        return kind, key[1:]
+        return [(kind, key[1:])]
     if kind == "barrier":
-        return "barrier", ()
+        return [("barrier", ())]
     if kind == "exchange":  # (kind, input shape, output shape, dtype, send counts, receive counts): uneven
         srow, rrow = math.prod(key[1][1:]), math.prod(key[2][1:])  # the callers' split sizes count rows
         splits = (tuple(c // srow for c in key[4]), tuple(c // rrow for c in key[5]))
-        return "all_to_all_v", (key[1], key[3], key[2], key[3], splits)
+        return [("all_to_all_v", (key[1], key[3], key[2], key[3], splits))]
     if kind in ("send", "recv"):  # (kind, shape, dtype, peer, tag)
-        return kind, key[1:]
-    return None
+        return [(kind, key[1:])]
+    return []
 
 
 def _agree(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
