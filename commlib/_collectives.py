@@ -28,6 +28,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_tensor",
     "in_place",
+    "ran_ready",
     "root_rank",
     "check_list",
     "pair",
@@ -126,8 +127,8 @@ def all_reduce(
 ) -> Work | None:
     """Reduce ``tensor`` across the group; every rank gets the result in place."""
     g = _world.world if group is None else group
-    # The common case (a writable contiguous numpy array, SUM, a shape seen before) runs the backend's ready
-    # operation right here (run_ready, inlined): this function's own overhead is most of a small call's latency.
+    # The common case (a numpy array, SUM, a size seen before) runs the backend's ready operation (its own lookup,
+    # Backend.sums): this function's own overhead is most of a small call's latency.
     if (
         op is _SUM
         and not async_op
@@ -135,19 +136,9 @@ def all_reduce(
         and type(g) is ProcessGroup
         and (sums := g.sums) is not None
         and not g.pending
-        and (p := sums.get((tensor.shape, tensor.dtype))) is not None
-        and tensor.flags.carray
+        and (p := sums.get(tensor.nbytes)) is not None
+        and g.run_ready("all_reduce", p, tensor, tensor)
     ):
-        g.seq = seq = g.seq + 1
-        slot = next(_slots)
-        _starts[slot] = (g, "all_reduce", p.dtype, p.count, seq, _now())
-        try:
-            if p.go(tensor, tensor, seq):
-                _ends[slot] = _now()
-                return None
-        except BaseException as e:
-            ready_rest(g, "all_reduce", p, tensor, seq, slot, e)
-        ready_rest(g, "all_reduce", p, tensor, seq, slot, None)
         return None
     if g is None or type(g) is not ProcessGroup or g.broken is not None or g.backend is None:
         g, _ = resolve(group, "all_reduce")
@@ -165,88 +156,19 @@ def all_reduce(
     return None
 
 
-def run_ready(g: ProcessGroup, call: str, p: Any, inp: Any, out: Any) -> None:
-    """Run a ready operation (Backend.sums / residents, a base.Resident) from ``inp`` into ``out``, numbered and
-    recorded as every collective is (:meth:`ProcessGroup.run`).
-
-    The caller checked what the generic path would: the arrays' shapes and dtypes are the entry's key. Each of
-    ``inp`` and ``out`` is an array, a list of arrays of one shape (scatter's and gather's root lists, in rank
-    order) or None (no input; no output on this rank).
-    """
-    g.seq = seq = g.seq + 1
-    slot = next(_slots)
-    _starts[slot] = (g, call, p.dtype, p.count, seq, _now())
-    try:
-        if p.go(inp, out, seq):  # start, a few tests: most small calls end here
-            _ends[slot] = _now()
-            return
-    except BaseException as e:
-        ready_rest(g, call, p, out, seq, slot, e)
-    ready_rest(g, call, p, out, seq, slot, None)
-
-
-def ready_rest(g: ProcessGroup, call: str, p: Any, out: Any, seq: int, slot: int, exc: BaseException | None) -> None:
-    """run_ready after a ``go()`` that did not complete (``exc`` None: wait, finish) or raised ``exc``; a send or
-    receive (not numbered: ``seq`` 0, ``slot`` -1) too."""
-    done = True
-    try:
-        if exc is not None:
-            raise exc
-        done = p.wait(g.timeout)
-        if done:
-            p.finish(out)
-    except BaseException as e:
-        g.fail(call, seq, slot, p.error(e))
-    if not done:
-        g.timed_out(call, seq, slot, g.timeout)
-    if slot >= 0:
-        _ends[slot] = _now()
-
-
-def ready_op(g: ProcessGroup, table: str, key: tuple) -> Any:
-    """The ready operation of ``table`` for ``key`` when ``g`` may run it now (else None: the generic path)."""
-    ready = g.ready
-    return None if ready is None or g.pending else ready[table].get(key)
-
-
-def ready_rooted(
-    table: str, tensor: Any, root: Any, group: Any, group_root: Any, async_op: bool, writes: bool = True
-) -> tuple[ProcessGroup, Any] | None:
-    """(group, ready operation) for a blocking call on one numpy array and a root given as a global rank
-    (broadcast, reduce, gather, scatter; ``writes``: the call writes the array), or None: the generic path."""
+def ran_ready(group: Any, call: str, table: str, key: tuple, inp: Any, out: Any, async_op: bool) -> bool:
+    """Run a blocking call through the backend's ready operation of ``table`` for ``key`` (Backend.residents:
+    by the arrays' byte counts and the call's root, peer or splits), if there is one and the arrays are its
+    (:meth:`ProcessGroup.run_ready`); True: done; False: the generic path (nothing happened)."""
     g = _world.world if group is None else group
-    if (
+    return (
         not async_op
-        and type(tensor) is _ndarray
-        and type(root) is int
-        and group_root is None
-        and (tensor.flags.carray if writes else tensor.flags.c_contiguous)
         and type(g) is ProcessGroup
-        and (p := ready_op(g, table, (tensor.shape, tensor.dtype, root))) is not None
-    ):
-        return g, p
-    return None
-
-
-def ready_paired(
-    table: str, output: Any, input: Any, group: Any, async_op: bool, splits: tuple | None = None
-) -> tuple[ProcessGroup, Any] | None:
-    """(group, ready operation) for a blocking call from one numpy array into another (all_gather,
-    reduce_scatter, all_to_all; ``splits``: an uneven all_to_all's (input, output) split sizes), or None:
-    the generic path. The input may be part of the output: the operation copies it in before anything moves."""
-    g = _world.world if group is None else group
-    if (
-        not async_op
-        and type(input) is _ndarray
-        and type(output) is _ndarray
-        and input.flags.c_contiguous
-        and output.flags.carray
-        and type(g) is ProcessGroup
-    ):
-        key = (input.shape, input.dtype, output.shape, output.dtype)
-        if (p := ready_op(g, table, key if splits is None else (*key, splits))) is not None:
-            return g, p
-    return None
+        and (ready := g.ready) is not None
+        and not g.pending
+        and (p := ready[table].get(key)) is not None
+        and g.run_ready(call, p, inp, out)
+    )
 
 
 def broadcast(
@@ -257,8 +179,12 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
-    if (ready := ready_rooted("broadcast", tensor, src, group, group_src, async_op)) is not None:
-        run_ready(ready[0], "broadcast", ready[1], tensor, tensor)
+    if (
+        type(tensor) is _ndarray
+        and type(src) is int
+        and group_src is None
+        and ran_ready(group, "broadcast", "broadcast", (tensor.nbytes, src), tensor, tensor, async_op)
+    ):
         return None
     g, _ = resolve(group, "broadcast")
     a, back = in_place(g, tensor, "broadcast")
@@ -278,8 +204,13 @@ def reduce(
 ) -> Work | None:
     """Reduce ``tensor`` across the group into rank ``dst``'s tensor (the others' are left unchanged)."""
     call = "reduce"
-    if op is _SUM and (ready := ready_rooted(call, tensor, dst, group, group_dst, async_op)):
-        run_ready(ready[0], call, ready[1], tensor, tensor)
+    if (
+        op is _SUM
+        and type(tensor) is _ndarray
+        and type(dst) is int
+        and group_dst is None
+        and ran_ready(group, call, "reduce", (tensor.nbytes, dst), tensor, tensor, async_op)
+    ):
         return None
     g, _ = resolve(group, call)
     a, back = in_place(g, tensor, call)
@@ -303,8 +234,12 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Concatenate every rank's ``input_tensor`` (in rank order) into ``output_tensor`` on every rank."""
     call = "all_gather_into_tensor"
-    if (ready := ready_paired("all_gather", output_tensor, input_tensor, group, async_op)) is not None:
-        run_ready(ready[0], call, ready[1], input_tensor, output_tensor)
+    if (
+        type(input_tensor) is _ndarray
+        and type(output_tensor) is _ndarray
+        and ran_ready(group, call, "all_gather", (input_tensor.nbytes, output_tensor.nbytes), input_tensor,
+                      output_tensor, async_op)
+    ):  # fmt: skip
         return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output_tensor, "output_tensor", input_tensor, "input_tensor")
@@ -416,8 +351,12 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` across the group and leave chunk ``rank`` of the result in ``output``."""
     call = "reduce_scatter_tensor"
-    if op is _SUM and (ready := ready_paired("reduce_scatter", output, input, group, async_op)) is not None:
-        run_ready(ready[0], call, ready[1], input, output)
+    if (
+        op is _SUM
+        and type(input) is _ndarray
+        and type(output) is _ndarray
+        and ran_ready(group, call, "reduce_scatter", (input.nbytes, output.nbytes), input, output, async_op)
+    ):
         return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output, "output", input, "input")

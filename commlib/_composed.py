@@ -12,16 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import (
-    check_list,
-    packed,
-    pair,
-    ready_paired,
-    ready_rooted,
-    root_rank,
-    run_ready,
-    unpack,
-)
+from commlib._collectives import check_list, packed, pair, ran_ready, root_rank, unpack
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._world import resolve
@@ -30,6 +21,7 @@ __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
 
 
 _INT = {int}
+_ndarray = np.ndarray
 
 
 def _int_list(sizes: Any) -> bool:
@@ -78,16 +70,15 @@ def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
-    if output_split_sizes is None and input_split_sizes is None:
-        ready = ready_paired("all_to_all", output, input, group, async_op)
-    elif _int_list(input_split_sizes) and _int_list(output_split_sizes):  # as the generic path saw them before
-        splits = (tuple(input_split_sizes), tuple(output_split_sizes))  # type: ignore[arg-type]
-        ready = ready_paired("all_to_all_v", output, input, group, async_op, splits)
-    else:
-        ready = None
-    if ready is not None:
-        run_ready(ready[0], call, ready[1], input, output)
-        return None
+    if type(input) is _ndarray and type(output) is _ndarray:
+        sizes = (input.nbytes, output.nbytes)
+        if output_split_sizes is None and input_split_sizes is None:
+            if ran_ready(group, call, "all_to_all", sizes, input, output, async_op):
+                return None
+        elif _int_list(input_split_sizes) and _int_list(output_split_sizes):  # as the generic path saw them before
+            splits = (tuple(input_split_sizes), tuple(output_split_sizes))  # type: ignore[arg-type]
+            if ran_ready(group, call, "all_to_all_v", (*sizes, splits), input, output, async_op):
+                return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output, "output", input, "input")
     sc = _splits(g, call, "input_split_sizes", input_split_sizes, inp)
@@ -181,10 +172,9 @@ def gather(
 ) -> Work | None:
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
     root = 0 if dst is None else dst
-    ready = ready_rooted("gather", tensor, root, group, group_dst, async_op, writes=False)
-    if ready is not None and _plain(ready[0], root, gather_list, tensor, True):
-        run_ready(ready[0], "gather", ready[1], tensor, gather_list)  # the root's list, filled in rank order
-        return None
+    key = (tensor.nbytes, root) if type(tensor) is _ndarray and type(root) is int and group_dst is None else None
+    if key is not None and ran_ready(group, "gather", "gather", key, tensor, gather_list, async_op):
+        return None  # the root's list filled in rank order (another list is not the operation's: generic path)
     g, inp, root, outs = _rooted("gather", group, tensor, dst, group_dst, "dst", gather_list, "gather_list")
     flat, finish = (packed(outs) if outs is not None else None), None
     if outs is not None and (flat is None or g.xp.may_share_memory(flat, inp)):
@@ -203,10 +193,9 @@ def scatter(
 ) -> Work | None:
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
     root = 0 if src is None else src
-    ready = ready_rooted("scatter", tensor, root, group, group_src, async_op)
-    if ready is not None and _plain(ready[0], root, scatter_list, tensor, False):
-        run_ready(ready[0], "scatter", ready[1], scatter_list, tensor)  # the root's list, packed in rank order
-        return None
+    key = (tensor.nbytes, root) if type(tensor) is _ndarray and type(root) is int and group_src is None else None
+    if key is not None and ran_ready(group, "scatter", "scatter", key, scatter_list, tensor, async_op):
+        return None  # the root's list read in rank order (another list is not the operation's: generic path)
     g, out, root, ins = _rooted("scatter", group, tensor, src, group_src, "src", scatter_list, "scatter_list")
     send = None if ins is None else packed(ins)
     if ins is not None and (send is None or g.xp.may_share_memory(send, out)):

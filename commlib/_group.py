@@ -166,6 +166,50 @@ class ProcessGroup:
             self.fail(call, seq, slot, e)
         self.timed_out(call, seq, slot, timeout)
 
+    def run_ready(self, call: str, p: Any, inp: Any, out: Any) -> bool:
+        """Number, record and run a blocking call through a ready operation of the backend (a ``base.Resident``,
+        from ``Backend.sums`` or ``residents``) from ``inp`` into ``out``; False: the arrays are not the
+        operation's (its ``go`` returned None): nothing happened, the caller takes the generic path.
+
+        Each of ``inp`` and ``out`` is an array, a list of arrays (scatter's and gather's root lists, in rank
+        order) or None (no input; no output on this rank).
+        """
+        seq, t0 = self.seq + 1, _now()
+        try:
+            done = p.go(inp, out, seq)  # start, a few tests: most small calls end here
+        except BaseException as e:
+            self.seq = seq
+            slot = next(_slots)
+            _starts[slot] = (self, call, p.dtype, p.count, seq, t0)
+            self.ready_rest(call, p, out, seq, slot, e)
+        if done is None:
+            return False
+        self.seq = seq
+        slot = next(_slots)
+        _starts[slot] = (self, call, p.dtype, p.count, seq, t0)
+        if done:
+            _ends[slot] = _now()
+            return True
+        self.ready_rest(call, p, out, seq, slot, None)
+        return True
+
+    def ready_rest(self, call: str, p: Any, out: Any, seq: int, slot: int, exc: BaseException | None) -> None:
+        """:meth:`run_ready` after a ``go()`` that did not complete (``exc`` None: wait, finish) or raised ``exc``;
+        a send or receive (not numbered: ``seq`` 0, ``slot`` -1) too."""
+        done = True
+        try:
+            if exc is not None:
+                raise exc
+            done = p.wait(self.timeout)
+            if done:
+                p.finish(out)
+        except BaseException as e:
+            self.fail(call, seq, slot, p.error(e))
+        if not done:
+            self.timed_out(call, seq, slot, self.timeout)
+        if slot >= 0:
+            _ends[slot] = _now()
+
     def complete(self, call: str, seq: int, slot: int, timeout: float, wait: Callable[..., bool], *args: Any) -> None:
         """Wait (``wait(*args, timeout)``); record the end in ``slot`` (none if < 0); on failure fence and raise."""
         try:

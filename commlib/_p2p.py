@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import in_place, ready_rest
+from commlib._collectives import in_place
 from commlib._group import ProcessGroup, Work
 from commlib._world import _state as _world
 from commlib._world import label, resolve
@@ -47,28 +47,29 @@ def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
 
 def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_peer: Any) -> bool:
     """Run a blocking send or recv of a numpy array through the backend's ready operation, if it has one
-    (a peer given as a global rank); False: the generic path."""
+    (a peer given as a global rank) and the array is its; False: the generic path (nothing happened)."""
     g = _world.world if group is None else group
-    sending = call == "send"
     if (
         type(tensor) is np.ndarray
         and type(peer) is int
         and type(tag) is int
         and group_peer is None
-        and (tensor.flags.c_contiguous if sending else tensor.flags.carray)
         and type(g) is ProcessGroup
         and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
         and not g.pending
-        and (p := ready[call].get((tensor.shape, tensor.dtype, peer, tag))) is not None
+        and (p := ready[call].get((tensor.nbytes, peer, tag))) is not None
     ):
+        sending = call == "send"
         inp, out = (tensor, None) if sending else (None, tensor)
-        (g.sent if sending else g.received)[peer] += 1  # counted for the group's closing check
-        try:  # run_ready() for a send or receive (neither numbered nor recorded), inlined
-            if p.go(inp, out, 0):
-                return True
+        try:  # ProcessGroup.run_ready for a send or receive (neither numbered nor recorded)
+            done = p.go(inp, out, 0)
         except BaseException as e:
-            ready_rest(g, call, p, out, 0, -1, e)
-        ready_rest(g, call, p, out, 0, -1, None)
+            g.ready_rest(call, p, out, 0, -1, e)
+        if done is None:
+            return False
+        (g.sent if sending else g.received)[peer] += 1  # counted for the group's closing check
+        if not done:
+            g.ready_rest(call, p, out, 0, -1, None)
         return True
     return False
 

@@ -40,7 +40,9 @@ def executors_job(mode: str) -> dict:
         seq += 1
         p = plan(kind, r, n, *args, small=SMALL, piece=1 << 20, **kw)
         ex = _steps.NativeSteps(p, comm, SMALL) if native else _steps.Steps(p, comm, SMALL)
-        if not ex.go(inp, out, seq):
+        done = ex.go(inp, out, seq)
+        assert done is not None, (kind, "the arrays are not the executor's")
+        if not done:
             assert ex.wait(60), kind
         ex.finish(out)
         ex.free()

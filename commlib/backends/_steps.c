@@ -513,6 +513,39 @@ advance_until(Steps *self, double seconds, int *done)
 
 /* -- a run ----------------------------------------------------------------------------------------------- */
 
+/* Whether a is this executor's: its dtype (the plan's, stamped), len bytes in all, writable where written; an
+ * array C-contiguous, or a root list of such arrays (strided ones are staged). What go() takes without a word:
+ * anything else is another call's (the group layer then takes its generic path). */
+static int
+fits(Steps *self, PyObject *a, Py_ssize_t len, int out, PyObject *inp)
+{
+    if (len == 0) /* none on this rank: None, an empty array, or a reduce's output off the root (its input) */
+        return a == Py_None || (out && a == inp) || (PyArray_Check(a) && PyArray_NBYTES((PyArrayObject *)a) == 0);
+    PyArray_Descr *want = self->dtype == Py_None ? NULL : (PyArray_Descr *)self->dtype;
+    int flags = out ? NPY_ARRAY_WRITEABLE : 0;
+    if (PyArray_Check(a)) {
+        PyArrayObject *arr = (PyArrayObject *)a;
+        return PyArray_NBYTES(arr) == len && (PyArray_FLAGS(arr) & (flags | NPY_ARRAY_C_CONTIGUOUS)) ==
+                                                 (flags | NPY_ARRAY_C_CONTIGUOUS) &&
+               (want == NULL || PyArray_DESCR(arr) == want || PyArray_EquivTypes(PyArray_DESCR(arr), want));
+    }
+    if (!PyList_CheckExact(a) || PyList_GET_SIZE(a) == 0)
+        return 0;
+    Py_ssize_t n = PyList_GET_SIZE(a), chunk = len / n;
+    if (chunk * n != len)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* one chunk each, in rank order */
+        PyObject *item = PyList_GET_ITEM(a, i);
+        if (!PyArray_Check(item))
+            return 0;
+        PyArrayObject *arr = (PyArrayObject *)item;
+        if (PyArray_NBYTES(arr) != chunk || (PyArray_FLAGS(arr) & flags) != flags ||
+            (want != NULL && PyArray_DESCR(arr) != want && !PyArray_EquivTypes(PyArray_DESCR(arr), want)))
+            return 0;
+    }
+    return 1;
+}
+
 static int
 begin(Steps *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -605,6 +638,9 @@ outcome(Steps *self, int code, int done)
 static PyObject *
 Steps_go(Steps *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (nargs == 3 && self->state == IDLE &&
+        !(fits(self, args[0], self->in_len, 0, NULL) && fits(self, args[1], self->out_len, 1, args[0])))
+        Py_RETURN_NONE; /* another call's arrays: nothing started */
     if (begin(self, args, nargs) < 0)
         return NULL;
     int code = 0, done = 0;
@@ -925,7 +961,8 @@ Steps_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 
 static PyMethodDef Steps_methods[] = {
     {"go", (PyCFunction)(void (*)(void))Steps_go, METH_FASTCALL,
-     "go(inp, out, seq) -> bool: start a run and test it; True: complete; False: still running"},
+     "go(inp, out, seq) -> bool | None: start a run and test it; True: complete; False: still running; None: the "
+     "arrays are not this executor's (another dtype or size, not contiguous, read-only): nothing started"},
     {"start", (PyCFunction)(void (*)(void))Steps_start, METH_FASTCALL, "start(inp, out, seq): start a run"},
     {"test", (PyCFunction)Steps_test, METH_NOARGS, "test() -> bool: whether the run is complete (moving it on)"},
     {"spin", (PyCFunction)Steps_spin, METH_O, "spin(seconds) -> bool | None: test without the GIL"},

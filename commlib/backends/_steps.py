@@ -105,6 +105,22 @@ def _received(raw: bytes, got: int) -> str:
     return text
 
 
+def _fits(a: Any, length: int, dtype: np.dtype | None, out: bool, inp: Any = None) -> bool:
+    """As ``_steps.c``'s fits(): an array (or a root list of them) of the executor's dtype and ``length`` bytes,
+    contiguous (a list's items may be strided: staged), writable where written; none on this rank: None, or a
+    reduce's output off the root (its input itself), or an empty array."""
+    if not length:
+        return a is None or (out and a is inp) or (type(a) is np.ndarray and not a.nbytes)
+    items = a if type(a) is list and a else [a]
+    if not all(type(x) is np.ndarray and (dtype is None or x.dtype == dtype) for x in items):
+        return False
+    if out and not all(x.flags.writeable for x in items):
+        return False
+    if type(a) is list:  # one chunk each, in rank order
+        return all(x.nbytes * len(items) == length for x in items)
+    return a.nbytes == length and a.flags.c_contiguous
+
+
 def _overlap(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     if a is None or b is None or not a.nbytes or not b.nbytes:
         return False
@@ -187,8 +203,14 @@ class Steps:
         return m
 
     # -- a run ------------------------------------------------------------------------------------------
-    def go(self, inp: Any, out: Any, seq: int) -> bool:
-        """Start a run and test it a few times: True, complete (the result is in ``out``); False, still running."""
+    def go(self, inp: Any, out: Any, seq: int) -> bool | None:
+        """Start a run and test it a few times: True, complete (the result is in ``out``); False, still running;
+        None, the arrays are not this executor's (another dtype or size, not contiguous, read-only where written):
+        nothing started."""
+        plan = self.plan
+        fit = _fits(inp, plan.in_len, plan.dtype, False) and _fits(out, plan.out_len, plan.dtype, True, inp)
+        if self.state == "idle" and not fit:
+            return None
         self.start(inp, out, seq)
         return any(self.test() for _ in range(_TESTS))
 

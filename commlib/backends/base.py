@@ -350,27 +350,28 @@ class Backend(abc.ABC):
         """
         return {}
 
-    def sums(self) -> dict[tuple, Resident] | None:
-        """Ready blocking in-place SUM all_reduces by ``(shape, dtype)`` (see :class:`Resident`).
+    def sums(self) -> dict[int, Resident] | None:
+        """Ready blocking in-place SUM all_reduces by byte count (see :class:`Resident`).
 
-        The hottest call in data parallelism, given a lookup of its own: the group layer runs an
-        entry itself, and the result must be that of the ``"all_reduce"`` entry of :meth:`fused`
-        called with ``(buf, buf, SUM, seq, timeout)``. The backend adds and removes entries as it makes
-        and frees them (the group layer only reads the dict, and only under :meth:`fused`'s
-        conditions). The default: None (no such lookup).
+        The hottest call in data parallelism, given a lookup of its own: the group layer runs an entry
+        itself (:meth:`commlib._group.ProcessGroup.run_ready`), and the result must be that of the
+        ``"all_reduce"`` entry of :meth:`fused` called with ``(buf, buf, SUM, seq, timeout)``. An entry's
+        ``go`` returns None for arrays that are not its (another dtype of the same byte count; an array that is
+        not contiguous or not writable): the group layer then takes the generic path. The backend adds and
+        removes entries as it makes and frees them (the group layer only reads the dict, and only under
+        :meth:`fused`'s conditions). The default: None (no such lookup).
         """
         return None
 
-    def residents(self) -> dict[str, dict[tuple, Resident]] | None:
+    def residents(self) -> dict[str, dict[Any, Resident]] | None:
         """Ready blocking operations of other calls, run by the group layer as :meth:`sums`' are.
 
-        ``"broadcast"`` by ``(shape, dtype, root)``, ``"reduce"`` (SUM, in place) likewise, ``"all_gather"``
-        (not in place) by ``(input shape, input dtype, output shape, output dtype)``, ``"reduce_scatter"``
-        (SUM) and ``"all_to_all"`` (equal splits) likewise, ``"all_to_all_v"`` (uneven) by the same and
-        ``(input split sizes, output split sizes)`` (tuples of rows), ``"gather"`` and ``"scatter"`` by ``(chunk
-        shape, dtype, root)`` (the root's buffer is the chunks back to back), ``"barrier"`` by ``()``,
-        ``"send"`` and ``"recv"`` by ``(shape, dtype, peer, tag)``; each must give the result of the
-        matching :meth:`fused` entry. Same rules as :meth:`sums`; default: None.
+        ``"broadcast"`` by ``(bytes, root)``, ``"reduce"`` (SUM, in place) likewise, ``"gather"`` and ``"scatter"``
+        by ``(bytes of a chunk, root)`` (the root's list: one array per rank, in rank order), ``"all_gather"``
+        (not in place), ``"reduce_scatter"`` (SUM) and ``"all_to_all"`` (equal splits) by ``(input bytes, output
+        bytes)``, ``"all_to_all_v"`` by the same and ``(input split sizes, output split sizes)`` (tuples of rows),
+        ``"barrier"`` by ``()``, ``"send"`` and ``"recv"`` by ``(bytes, peer, tag)``; each must give the result of
+        the matching :meth:`fused` entry. Same rules as :meth:`sums`; default: None.
         """
         return None
 

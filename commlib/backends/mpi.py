@@ -163,8 +163,8 @@ class MpiBackend(Backend):
         self.noticed = False  # abort() told the others already
         #: the group layer's lookups (Backend.sums, Backend.residents): SUM all_reduces by (shape, dtype), and
         #: the other ready calls by their own keys (see _lookup)
-        self.summed: dict[tuple, Resident] = {}
-        self.ready: dict[str, dict[tuple, Resident]] = {k: {} for k in _TABLES}
+        self.summed: dict[int, Resident] = {}
+        self.ready: dict[str, dict[Any, Resident]] = {k: {} for k in _TABLES}
         self.now: dict[str, Callable[..., bool]] = {
             "all_reduce": self._all_reduce_now,
             "broadcast": self._broadcast_now,
@@ -281,7 +281,10 @@ class MpiBackend(Backend):
         """A blocking call: run it (False: ``timeout`` passed first; the executor is abandoned)."""
         ex = self.executor(key, build, tag)
         try:
-            if not ex.go(inp, out, seq) and not ex.wait(timeout):
+            done = ex.go(inp, out, seq)
+            if done is None:  # the group layer checked these arrays: they must be the executor's
+                raise ValueError(f"mpi backend: the arrays of {key[0]} are not those its executor was made for")
+            if not done and not ex.wait(timeout):
                 self._forget(key, ex)
                 return False
         except BaseException as e:
@@ -373,10 +376,10 @@ class MpiBackend(Backend):
         """Blocking calls in one step (see :meth:`Backend.fused`)."""
         return self.now if not self.composed else {k: v for k, v in self.now.items() if k not in _COMPOSED}
 
-    def sums(self) -> dict[tuple, Resident]:
+    def sums(self) -> dict[int, Resident]:
         return self.summed
 
-    def residents(self) -> dict[str, dict[tuple, Resident]]:
+    def residents(self) -> dict[str, dict[Any, Resident]]:
         return self.ready
 
     def _all_reduce_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, seq: int, timeout: float) -> bool:
@@ -547,37 +550,38 @@ _TABLES = (
 )
 
 
-def _lookups(key: tuple, size: int) -> list[tuple[str, tuple]]:
-    """Where the group layer finds the executor of ``key`` (Backend.sums / residents): (table, entry) pairs; none:
-    only through Backend.fused (another op than SUM, an in-place all_gather)."""
+def _lookups(key: tuple, size: int) -> list[tuple[str, Any]]:
+    """Where the group layer finds the executor of ``key`` (Backend.sums / residents), by byte counts (the
+    executor checks the dtype: another dtype's call is not its, and takes the generic path): (table, entry)
+    pairs; none: only through Backend.fused (another op than SUM, an in-place all_gather)."""
     kind = key[0]
-    if kind == "all_reduce":  # (kind, shape, dtype, op)
-        return [("sums", (key[1], key[2]))] if key[3] is _SUM else []
-    if kind == "broadcast":  # (kind, shape, dtype, root)
-        return [("broadcast", key[1:])]
-    if kind == "reduce":  # (kind, shape, dtype, op, root)
-        return [("reduce", (key[1], key[2], key[4]))] if key[3] is _SUM else []
-    if kind == "all_gather":  # (kind, input shape, output shape, dtype); None: in place
-        return [] if key[1] is None else [("all_gather", (key[1], key[3], key[2], key[3]))]
-    if kind == "reduce_scatter":  # (kind, input shape, output shape, dtype, op)
-        return [("reduce_scatter", (key[1], key[3], key[2], key[3]))] if key[4] is _SUM else []
-    if kind == "all_to_all":  # (kind, input shape, output shape, dtype): even splits, given or not
-        rows_in, rows_out = (key[1][0] if key[1] else 1), (key[2][0] if key[2] else 1)
-        even = ((rows_in // size,) * size, (rows_out // size,) * size)
-        return [
-            ("all_to_all", (key[1], key[3], key[2], key[3])),
-            ("all_to_all_v", (key[1], key[3], key[2], key[3], even)),
-        ]
-    if kind in ("gather", "scatter"):  # (kind, chunk shape, dtype, root)
-        return [(kind, key[1:])]
+    if kind in ("all_reduce", "reduce", "broadcast", "gather", "scatter", "send", "recv"):
+        nbytes = math.prod(key[1]) * key[2].itemsize
+        if kind == "all_reduce":  # (kind, shape, dtype, op)
+            return [("sums", nbytes)] if key[3] is _SUM else []
+        if kind == "reduce":  # (kind, shape, dtype, op, root)
+            return [("reduce", (nbytes, key[4]))] if key[3] is _SUM else []
+        if kind in ("send", "recv"):  # (kind, shape, dtype, peer, tag)
+            return [(kind, (nbytes, key[3], key[4]))]
+        return [(kind, (nbytes, key[3]))]  # broadcast (the buffer), gather and scatter (a chunk), and the root
     if kind == "barrier":
         return [("barrier", ())]
-    if kind == "exchange":  # (kind, input shape, output shape, dtype, send counts, receive counts): uneven
+    if kind == "all_gather" and key[1] is None:  # in place: only through Backend.fused
+        return []
+    z = key[3].itemsize  # (kind, input shape, output shape, dtype, ...)
+    sizes = (math.prod(key[1]) * z, math.prod(key[2]) * z)
+    if kind == "all_gather":
+        return [("all_gather", sizes)]
+    if kind == "reduce_scatter":  # (..., op)
+        return [("reduce_scatter", sizes)] if key[4] is _SUM else []
+    if kind == "all_to_all":  # even blocks, whether the caller gave even splits or none
+        rows_in, rows_out = (key[1][0] if key[1] else 1), (key[2][0] if key[2] else 1)
+        even = ((rows_in // size,) * size, (rows_out // size,) * size)
+        return [("all_to_all", sizes), ("all_to_all_v", (*sizes, even))]
+    if kind == "exchange":  # (..., send counts, receive counts): uneven
         srow, rrow = math.prod(key[1][1:]), math.prod(key[2][1:])  # the callers' split sizes count rows
         splits = (tuple(c // srow for c in key[4]), tuple(c // rrow for c in key[5]))
-        return [("all_to_all_v", (key[1], key[3], key[2], key[3], splits))]
-    if kind in ("send", "recv"):  # (kind, shape, dtype, peer, tag)
-        return [(kind, key[1:])]
+        return [("all_to_all_v", (*sizes, splits))]
     return []
 
 
