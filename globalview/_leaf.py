@@ -87,7 +87,9 @@ class LeafGrads:
             _groups.note("all_reduce", ranks, buffer.numel() * buffer.element_size())
             return commlib.all_reduce(buffer, group=group, async_op=True)
 
-        reducer = Reducer(params, names=names, group=group, bucket_cap_mb=cap, comm=comm)
+        # in_place: a large gradient is summed where it is, in ``.grad`` (no copy into a bucket and back),
+        # as ddp.DistributedDataParallel does
+        reducer = Reducer(params, names=names, group=group, bucket_cap_mb=cap, comm=comm, in_place=True)
         self.reducers[key] = (reducer, members, ranks)
 
     def _convert(self, i: int, src: tuple, dst: tuple) -> None:
@@ -134,7 +136,7 @@ class LeafGrads:
         with torch.no_grad():
             for i, view in zip(members, views, strict=True):
                 grad = self.leaves[i].param.grad
-                if grad is not None:
+                if grad is not None and view is not grad:  # else summed in place
                     grad.copy_(view)
 
 
