@@ -23,6 +23,17 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _literal_import_module(node: ast.AST) -> bool:
+    """``importlib.import_module("a.literal.name")``."""
+    return (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "attr", None) == "import_module"
+        and bool(node.args)
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    )
+
+
 def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The globalview modules ``name`` imports (anywhere in its source)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -39,9 +50,8 @@ def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             for a in node.names:
                 sub = f"{base}.{a.name}"
                 targets.append(sub if sub in modules else base)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module":
-            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
-                targets = [node.args[0].value]
+        elif _literal_import_module(node):
+            targets = [node.args[0].value]
         found |= {t for t in targets if t in modules and t != name}
     return found
 
@@ -61,7 +71,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
         path.append(n)
         for m in sorted(g.get(n, ())):
             if state.get(m) == 1:
-                return path[path.index(m) :] + [m]
+                return [*path[path.index(m) :], m]
             if m not in state:
                 found = visit(m)
                 if found:
