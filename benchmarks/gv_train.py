@@ -2,7 +2,7 @@
 
     python benchmarks/gv_train.py                 # starts its own 2 ranks under mpiexec
     python benchmarks/gv_train.py --batch 64 --repeats 9
-    python benchmarks/gv_train.py --fsdp-batch 32 --fsdp-batch 2048   # fully sharded rows at these batches
+    python benchmarks/gv_train.py --fsdp-batch 32 --fsdp-batch 2560   # fully sharded rows at these batches
 
 The MLP of benchmarks/ddp_step.py (1024 -> 4096 -> 4096 -> 1024, 25.2M float32 parameters), the
 same per-rank batch, trained four ways in the same processes: bare (no communication: the
@@ -47,11 +47,11 @@ def _parse() -> argparse.Namespace:
         type=int,
         action="append",
         default=None,
-        help="samples per rank for the fully sharded rows (repeatable; default 32 and 2048)",
+        help="samples per rank for the fully sharded rows (repeatable; default 32 and 2560)",
     )
     p.add_argument("--fsdp-repeats", type=int, default=5, help="rounds per fully sharded method (one step each)")
     args = p.parse_args()
-    args.fsdp_batch = [32, 2048] if args.fsdp_batch is None else [b for b in args.fsdp_batch if b > 0]
+    args.fsdp_batch = [32, 2560] if args.fsdp_batch is None else [b for b in args.fsdp_batch if b > 0]
     return args
 
 

@@ -185,3 +185,48 @@ def test_fully_sharded_adamw_matches_torch(world_size: int, backend: str) -> Non
     # is gathered again in backward (for its input's gradient; the first layer's input is data)
     assert large["forward"].count("all_gather") == 4 and large["backward"].count("reduce_scatter") == 4, large
     assert large["backward"].count("all_gather") == 1, large
+
+
+def _pin_job() -> dict[str, list[str]]:
+    """A Linear(5, 7) with weight and bias split(0), batch 2: the cheapest moves the batch; pinned (context or
+    module) it moves the weights; a forward that raises leaves no preference behind. Values equal torch's."""
+    import torch
+    import torch.nn.functional as F
+
+    import commlib
+    from globalview._apply import preference
+
+    pl = gv.placement("cuda" if commlib.get_backend() == "nccl" else "cpu", list(range(commlib.get_world_size())))
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(5, 7).double()
+    net = torch.nn.Linear(5, 7).double()
+    net.load_state_dict(ref.state_dict())
+    gv.nn.to_global(net, pl, {"weight": S.split(0), "bias": S.split(0)})
+    xt = torch.randn(2, 5, dtype=torch.float64)
+    x = gv.tensor(xt, placement=pl, sbp=S.split(0))
+    out = {}
+
+    def forward(label: str) -> None:
+        with gv.record() as calls:
+            y = net(x)
+        np.testing.assert_allclose(y.numpy(), F.linear(xt, ref.weight, ref.bias).detach().numpy(), rtol=1e-12)
+        out[label] = calls.names("forward")
+
+    forward("cheapest")
+    with gv.plan(prefer="move_weights"):
+        forward("context")
+    pinned = gv.plan(prefer="move_weights").pin(net)
+    forward("pinned module")
+    with pytest.raises(ValueError, match="do not fit"):
+        net(gv.tensor(torch.randn(2, 3, dtype=torch.float64), placement=pl, sbp=S.split(0)))
+    out["after a failed forward"] = [str(preference())]
+    assert pinned is net
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_prefer_as_context_and_per_module(world_size: int) -> None:
+    got = run(_pin_job, world_size, timeout=120)[0]
+    assert got["cheapest"] == ["all_gather"], got  # the batch; the bias stays split like the output
+    assert got["context"] == got["pinned module"] == ["all_gather", "all_gather"], got  # weight and bias
+    assert got["after a failed forward"] == ["None"], got  # the module's hooks reset it (always_call)
