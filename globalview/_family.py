@@ -76,6 +76,14 @@ class Family:
     def detach(self, local: Any) -> Any:
         return local
 
+    def grad(self, local: Any) -> Any:
+        """A leaf part's accumulated gradient, or None."""
+        return None
+
+    def grad_fn(self, local: Any) -> Any:
+        """The autograd node that made a part, or None."""
+        return None
+
     def requires_grad_(self, t: Any, requires_grad: bool) -> None:
         """Make global tensor ``t`` a leaf that collects gradients (torch parts only)."""
         raise TypeError(

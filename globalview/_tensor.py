@@ -174,12 +174,12 @@ class GlobalTensor:
     @property
     def grad_fn(self) -> Any:
         """The torch autograd node that made this rank's local part (None for leaves)."""
-        return getattr(self._local, "grad_fn", None) if self._family.differentiable else None
+        return self._family.grad_fn(self._local)
 
     @property
     def grad(self) -> GlobalTensor | None:
         """A leaf's accumulated gradient, laid out as the leaf (OneFlow's rule), or None."""
-        g = getattr(self._local, "grad", None) if self._family.differentiable else None
+        g = self._family.grad(self._local)
         return None if g is None else self._like(g)
 
     def detach(self) -> GlobalTensor:

@@ -82,6 +82,12 @@ class TorchFamily(Family):
     def detach(self, local: Any) -> Any:
         return local.detach()
 
+    def grad(self, local: Any) -> Any:
+        return local.grad
+
+    def grad_fn(self, local: Any) -> Any:
+        return local.grad_fn
+
     def from_local(self, local: torch.Tensor, src: torch.Tensor, make: Any, xp: Any) -> torch.Tensor:
         """The part of torch tensor ``local`` made global by ``make()`` (the cast of its ``xp`` view
         ``src``), differentiable when ``local`` requires grad."""
