@@ -83,9 +83,10 @@ def _tensor_names(op: Op) -> list[str]:
     return [n for a, n in zip(op.args, names, strict=True) if isinstance(a, GlobalTensor)]
 
 
-def decide(op: Op, prefer: str | None = None) -> Choice:
-    """The signature ``op`` runs with and each input's boxing, priced: no communication (pure, cached)."""
-    ts = tensors(op.call, op.args, op.names)
+def decide(op: Op, prefer: str | None = None, ts: list[GlobalTensor] | None = None) -> Choice:
+    """The signature ``op`` runs with and each input's boxing, priced: no communication (pure, cached).
+    ``ts``: ``op``'s global tensors, when the caller has checked them already."""
+    ts = tensors(op.call, op.args, op.names) if ts is None else ts
     names = _tensor_names(op)
     params = [t.requires_grad and t.is_leaf for t in ts]
     return _cost.choose(
@@ -114,8 +115,8 @@ def _probe_dtype(op: Op, family: Any) -> Any:
 
 def run(op: Op) -> GlobalTensor:
     """Run ``op``: decide, box the inputs, compute the local result."""
-    choice = decide(op)
     ts = tensors(op.call, op.args, op.names)
+    choice = decide(op, None, ts)
     first, me = ts[0], commlib.get_rank()
     family = first._family
     boxed, released = [], []

@@ -94,8 +94,8 @@ class LeafGrads:
 
     def _convert(self, i: int, src: tuple, dst: tuple) -> None:
         leaf = self.leaves[i]
-        p = plan(leaf.shape, leaf.dtype, (leaf.placement, src), (leaf.placement, dst))
-        if not p.steps:
+        p = _plan(leaf.shape, leaf.dtype, leaf.placement, src, dst)
+        if all(step.kind == "relabel" for step in p.steps):  # nothing to do (a placement of one rank)
             return
         grad = leaf.param.grad
         if grad is None:
@@ -138,6 +138,12 @@ class LeafGrads:
                 grad = self.leaves[i].param.grad
                 if grad is not None and view is not grad:  # else summed in place
                     grad.copy_(view)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(shape: tuple[int, ...], dtype: Any, pl: Placement, src: tuple, dst: tuple) -> Any:
+    """The leaf gradient's conversion plan (pure, so each leaf's is made once)."""
+    return plan(shape, dtype, (pl, src), (pl, dst))
 
 
 def watch(t: Any, name: str = "tensor") -> None:
