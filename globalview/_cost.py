@@ -63,6 +63,7 @@ class Candidate:
         return self.forward + self.backward + self.then
 
     def signature(self) -> str:
+        """``"S(0) x B -> S(0)"``: the inputs' layouts and the output's."""
         return f"{' x '.join(_fmt(s) for s in self.inputs)} -> {_fmt(self.output)}"
 
 

@@ -68,12 +68,15 @@ class Family:
         return like
 
     def requires_grad(self, local: Any) -> bool:
+        """Whether autograd tracks a part."""
         return False
 
     def is_leaf(self, local: Any) -> bool:
+        """Whether a part is an autograd leaf (every numpy/cupy part is)."""
         return True
 
     def detach(self, local: Any) -> Any:
+        """A part without autograd history."""
         return local
 
     def grad(self, local: Any) -> Any:
