@@ -5,8 +5,9 @@ which ranks keep data (a list or an nd mesh of ranks) and its ``sbp`` how
 (``split(dim)``, ``broadcast``, ``partial_sum``/``partial_max``/``partial_min``).
 Write single-device code over logical tensors; globalview inserts the
 communication: ``x.to_global(placement, sbp)`` redistributes ("boxing") by the
-cheapest plan, and operators infer their output's sbp from the inputs', boxing an
-input first when no signature fits. :func:`explain` shows the plan and its bytes.
+cheapest plan, and operators infer their output's sbp from the inputs', choosing among
+the plans they admit by the bytes each rank receives (forward and backward). :func:`explain`
+shows the candidates, their bytes and why one won; :func:`plan` pins a kind of plan.
 
 With torch local parts (a torch dtype, or ``to_global`` of torch tensors) everything is
 differentiable: ``loss.backward()`` runs torch's autograd through the local operators and the

@@ -97,9 +97,9 @@ class GlobalTensor:
             f"local shape={tuple(self._local.shape)})"
         )
 
-    def _like(self, local: Any, sbp: tuple | None = None) -> GlobalTensor:
-        """This tensor's shape, dtype, placement and family around another local part."""
-        return GlobalTensor(local, self._shape, self._dtype, self._placement, sbp or self._sbp, self._family)
+    def _like(self, local: Any) -> GlobalTensor:
+        """This tensor's shape, dtype, layout and family around another local part."""
+        return GlobalTensor(local, self._shape, self._dtype, self._placement, self._sbp, self._family)
 
     # -- local and logical values -------------------------------------------------------------
     def to_local(self) -> Any:
