@@ -1,7 +1,8 @@
-"""Training-step time: globalview data parallel and tensor parallel vs commlib DDP, 2 ranks, ~25M-parameter MLP.
+"""Training-step time: globalview data, tensor and fully sharded parallel vs commlib DDP and torch FSDP2, 2 ranks.
 
     python benchmarks/gv_train.py                 # starts its own 2 ranks under mpiexec
     python benchmarks/gv_train.py --batch 64 --repeats 9
+    python benchmarks/gv_train.py --fsdp-batch 32 --fsdp-batch 2560   # fully sharded rows at these batches
 
 The MLP of benchmarks/ddp_step.py (1024 -> 4096 -> 4096 -> 1024, 25.2M float32 parameters), the
 same per-rank batch, trained four ways in the same processes: bare (no communication: the
@@ -11,6 +12,12 @@ reducer ddp uses), and globalview tensor parallel (column-parallel first and las
 row-parallel middle one; the batch broadcast). A step is forward, MSE loss, backward, SGD step.
 Methods run in rotating order, ``repeats`` rounds of ``steps`` steps; the table shows the
 median round's per-step time of the slower rank. A benchmark, not a test: it never fails on times.
+
+Fully sharded (every parameter ``split(0)``: each rank holds half of the weights) is timed against
+torch's FSDP2 (``fully_shard`` on each Linear and the root) on torch.distributed backend "commlib",
+in the same processes, at each ``--fsdp-batch``: at a small batch globalview moves the activations,
+at a large one the weights (gathered per layer, released, gathered again in backward, gradients
+reduce-scattered), as ``globalview.explain`` prices them.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-TARGET = "target: globalview data parallel / ddp <= 1.1"
+TARGET = "target: globalview data parallel / ddp <= 1.05"
+FSDP_TARGET = "target: globalview fully sharded / torch FSDP2 <= 1.0"
 SIZES = (1024, 4096, 4096, 1024)
 
 
@@ -34,7 +42,17 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=2, help="steps per round")
     p.add_argument("--repeats", type=int, default=11, help="rounds per method (median reported)")
-    return p.parse_args()
+    p.add_argument(
+        "--fsdp-batch",
+        type=int,
+        action="append",
+        default=None,
+        help="samples per rank for the fully sharded rows (repeatable; default 32 and 2560)",
+    )
+    p.add_argument("--fsdp-repeats", type=int, default=5, help="rounds per fully sharded method (one step each)")
+    args = p.parse_args()
+    args.fsdp_batch = [32, 2560] if args.fsdp_batch is None else [b for b in args.fsdp_batch if b > 0]
+    return args
 
 
 def _mlp(torch: Any) -> Any:
@@ -83,28 +101,58 @@ def _methods(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     }
 
 
+def _sharded(torch: Any, batch: int) -> dict[str, Callable[[], None]]:
+    """globalview fully sharded and torch FSDP2 (on backend "commlib") at ``batch`` samples per rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    import commlib
+    import globalview as gv
+
+    rank, world = commlib.get_rank(), commlib.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch, SIZES[0], generator=g), torch.randn(batch, SIZES[-1], generator=g)
+    S, pl = gv.sbp, gv.placement("cpu", list(range(world)))
+    xd, yd = gv.to_global(x, pl, S.split(0)), gv.to_global(y, pl, S.split(0))
+    sharded = _mlp(torch)
+    gv.nn.to_global(sharded, pl, {name: S.split(0) for name, _ in sharded.named_parameters()})
+    fsdp = _mlp(torch)
+    for module in [m for m in fsdp if isinstance(m, torch.nn.Linear)] + [fsdp]:
+        fully_shard(module)
+    return {
+        f"gv fully sharded b{batch}": _stepper(torch, sharded, xd, yd),
+        f"torch FSDP2 b{batch}": _stepper(torch, fsdp, x, y),
+    }
+
+
 def main() -> None:
     """Start the ranks (when run directly), then time the methods and print the table."""
     args = _parse()
     if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
         from commlib.launch._mpiexec import find_mpiexec
 
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29547"}
         raise SystemExit(subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env))
+    os.environ.update(RANK=os.environ["PMI_RANK"], WORLD_SIZE=os.environ["PMI_SIZE"])
     import torch
+    import torch.distributed as dist
 
     import commlib
+    from commlib import torch_backend
 
     torch.set_num_threads(1)
-    commlib.init_process_group("mpi")
-    methods = _methods(args)
-    times = _measure(methods, args, commlib)
+    torch_backend.register()  # in case commlib was imported first and its entry point is not installed
+    dist.init_process_group("commlib")  # commlib's world (mpi) and torch's group over it, for FSDP2
+    times = _measure(_methods(args), args.repeats, args.steps, commlib)
+    sharded = {}
+    for batch in args.fsdp_batch:
+        sharded[batch] = _measure(_sharded(torch, batch), args.fsdp_repeats, 1, commlib)
     if commlib.get_rank() == 0:
         _report(times, args)
-    commlib.destroy_process_group()
+        _report_sharded(sharded, args)
+    dist.destroy_process_group()
 
 
-def _measure(methods: dict, args: argparse.Namespace, commlib: Any) -> dict[str, list[float]]:
+def _measure(methods: dict, repeats: int, steps: int, commlib: Any) -> dict[str, list[float]]:
     """Per-step seconds of each round (the slower rank's), methods in rotating order."""
     import numpy as np
 
@@ -113,13 +161,13 @@ def _measure(methods: dict, args: argparse.Namespace, commlib: Any) -> dict[str,
             step()
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
-    for r in range(args.repeats):
+    for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             commlib.barrier()
             start = time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps):
                 methods[name]()
-            slowest = np.array([(time.perf_counter() - start) / args.steps])
+            slowest = np.array([(time.perf_counter() - start) / steps])
             commlib.all_reduce(slowest, op=commlib.ReduceOp.MAX)
             times[name].append(float(slowest[0]))
     return times
@@ -135,6 +183,38 @@ def _report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
         low = min(times[name]) * 1e3
         print(f"{name:<20} {value * 1e3:>9.1f} {low:>9.1f} {value / base:>9.3f}x {value / ddp_step:>7.3f}x")
     print(f"# {TARGET}: {median['gv data parallel'] / ddp_step:.3f}x")
+
+
+def _report_sharded(sharded: dict[int, dict[str, list[float]]], args: argparse.Namespace) -> None:
+    if not sharded:
+        return
+    print(
+        f"\n# fully sharded (every parameter split(0)) vs torch FSDP2 on backend 'commlib', {args.fsdp_repeats} rounds"
+    )
+    print(f"{'batch/rank':<11} {'gv ms':>9} {'FSDP2 ms':>9} {'gv/FSDP2':>9}   gv's plan per Linear")
+    for batch, times in sharded.items():
+        gv_ms = statistics.median(times[f"gv fully sharded b{batch}"]) * 1e3
+        fsdp_ms = statistics.median(times[f"torch FSDP2 b{batch}"]) * 1e3
+        print(f"{batch:<11} {gv_ms:>9.1f} {fsdp_ms:>9.1f} {gv_ms / fsdp_ms:>8.3f}x   {_plans(batch)}")
+    print(f"# {FSDP_TARGET}")
+
+
+def _plans(batch: int) -> str:
+    """What globalview.explain says each Linear of the fully sharded model moves at ``batch`` per rank (rank 0)."""
+    import torch
+
+    import commlib
+    import globalview as gv
+
+    pl, S = gv.placement("cpu", list(range(commlib.get_world_size()))), gv.sbp
+    x = gv.zeros(batch * pl.hierarchy[0], SIZES[0], dtype=torch.float32, placement=pl, sbp=S.split(0))
+    moves = []
+    for i, (a, b) in enumerate(itertools.pairwise(SIZES)):
+        w = gv.zeros(b, a, dtype=torch.float32, placement=pl, sbp=S.split(0), requires_grad=True)
+        choice = gv.explain("linear", x if i == 0 else x.detach().requires_grad_() * 1.0, w)  # an activation
+        moves.append(choice.chosen.moves)
+        x = gv.zeros(x.shape[0], b, dtype=torch.float32, placement=pl, sbp=choice.output)
+    return ", ".join(moves)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import commlib
 from commlib.arrays import as_array, from_array
 from globalview import _groups
 from globalview._boxing import execute
-from globalview._plan import Plan, dual, plan
+from globalview._plan import Plan, adjoint, dual, plan
 
 __all__ = ["box", "empty_result", "ensure_groups", "from_local", "label", "run_backward", "seed"]
 
@@ -81,8 +81,6 @@ def box(p: Plan, local: torch.Tensor, me: int, xp: Any, grad_sbp: Any = None) ->
     """``local`` converted by plan ``p``; differentiable (through the adjoint) when it requires grad."""
     if not (torch.is_grad_enabled() and local.requires_grad):
         return run_plans((p,), local, me, xp)
-    from globalview._plan import adjoint
-
     back = adjoint(p, grad_sbp)
     for q in (p, *back):
         ensure_groups(q, me)
@@ -155,10 +153,9 @@ def seed(t: Any) -> torch.Tensor:
 
 
 def run_backward(t: Any, gradient: Any, retain_graph: Any, create_graph: bool) -> None:
-    """``t.backward(gradient)``: checks (no collective before they pass), the seed, torch's engine."""
+    """``t.backward(gradient)`` for global tensor ``t``: checks (no collective before they pass), the
+    seed (or ``gradient`` in the dual layout), torch's engine."""
     call = f"{label()}GlobalTensor.backward"
-    if not getattr(t._xp, "IS_TORCH", False):
-        raise TypeError(f"{call}: autograd needs torch local parts; this tensor's parts are {t._xp.__name__} arrays")
     if not t._local.requires_grad:
         raise RuntimeError(f"{call}: the tensor does not require grad and has no grad_fn")
     if gradient is None:
@@ -174,12 +171,10 @@ def run_backward(t: Any, gradient: Any, retain_graph: Any, create_graph: bool) -
 
 
 def _explicit(t: Any, gradient: Any, call: str) -> torch.Tensor:
-    from globalview._tensor import GlobalTensor
-
-    if not isinstance(gradient, GlobalTensor) or gradient.shape != t.shape:
-        got = gradient.shape if isinstance(gradient, GlobalTensor) else type(gradient).__name__
+    if getattr(gradient, "is_global", False) is not True or gradient.shape != t.shape:
+        got = gradient.shape if getattr(gradient, "is_global", False) is True else type(gradient).__name__
         raise TypeError(f"{call}: gradient must be a global tensor of shape {t.shape}, got {got}")
     if gradient.placement != t.placement:
         raise ValueError(f"{call}: gradient is on {gradient.placement}, the tensor on {t.placement}")
     g = gradient.detach().to_global(sbp=dual(t.sbp))
-    return g._local.to(dtype=t._local.dtype)
+    return g.to_local().to(dtype=t._local.dtype)

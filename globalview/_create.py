@@ -19,9 +19,8 @@ import numpy as np
 import commlib
 from commlib.arrays import numpy_dtype, to_host
 from globalview import _random
-from globalview._boxing import empty_local
+from globalview._family import placement_family
 from globalview._layout import block, normalize_sbp
-from globalview._placement import array_module
 from globalview._placement import placement as Placement
 from globalview._tensor import GlobalTensor, _check_placement
 
@@ -53,14 +52,15 @@ def _build(
     if sbp is None:
         raise ValueError(f"{call}: a global tensor needs sbp as well as placement")
     sbp = normalize_sbp(sbp, pl.ndim, len(shape), call)
-    xp = array_module(pl.type, call)
+    family = placement_family(pl, call)
+    xp = family.xp
     coords = pl.coords(commlib.get_rank())
     if coords is None:
-        return GlobalTensor(empty_local(xp, np.dtype(dtype)), shape, dtype, pl, sbp, xp)
+        return GlobalTensor(family.empty(pl, np.dtype(dtype)), shape, dtype, pl, sbp, family)
     local = make(xp, block(shape, pl.hierarchy, sbp, coords))
     if any(s.is_partial and s.reduce == "sum" and coords[a] != 0 for a, s in enumerate(sbp)):
         local = xp.zeros_like(local)
-    return GlobalTensor(xp.ascontiguousarray(local), shape, local.dtype, pl, sbp, xp)
+    return GlobalTensor(xp.ascontiguousarray(local), shape, local.dtype, pl, sbp, family)
 
 
 def _is_torch_dtype(dtype: Any) -> bool:
@@ -78,13 +78,13 @@ def _finish(out: Any, torch_parts: bool, requires_grad: bool, call: str) -> Any:
         raise TypeError(f"{call}: requires_grad=True needs torch local parts: pass a torch dtype")
     if not torch_parts:
         return out
-    from globalview import _torchns
+    from globalview._torchfamily import TORCH  # imports torch: only for torch parts
 
+    xp = TORCH.xp
     if not isinstance(out, GlobalTensor):
-        return _torchns.asarray(out).requires_grad_(requires_grad)
-    device = _torchns.device_for(out.placement.type, out._xp)
-    local = _torchns.asarray(to_host(out._local), device=device)
-    t = GlobalTensor(local, out.shape, out._dtype, out.placement, out.sbp, _torchns)
+        return xp.asarray(out).requires_grad_(requires_grad)
+    local = xp.asarray(to_host(out._local), device=xp.device_for(out.placement.type, out._xp))
+    t = GlobalTensor(local, out.shape, out._dtype, out.placement, out.sbp, TORCH)
     return t.requires_grad_() if requires_grad else t
 
 

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from globalview import _functional as nnf
-from globalview import _ops, _torchns
+from globalview import _ops
+from globalview._apply import label
 from globalview._tensor import GlobalTensor
+from globalview._torchfamily import TORCH
 
 __all__ = ["as_global", "torch_function"]
 
@@ -31,7 +33,7 @@ def as_global(t: torch.Tensor) -> GlobalTensor | None:
     if layout is None:
         return None
     shape, dtype, pl, sbp = layout
-    return GlobalTensor(t, shape, dtype, pl, sbp, _torchns)
+    return GlobalTensor(t, shape, dtype, pl, sbp, TORCH)
 
 
 def _swap(x: GlobalTensor, dim0: int, dim1: int) -> GlobalTensor:
@@ -122,7 +124,7 @@ def _globalize(a: Any, func: Any, where: str) -> Any:
         g = as_global(a)
         if g is None:
             raise TypeError(
-                f"{_ops._label()}globalview: {where} of {_name(func)} is a local torch tensor of shape "
+                f"{label()}globalview: {where} of {_name(func)} is a local torch tensor of shape "
                 f"{tuple(a.shape)}, the others are global; make it global with globalview.to_global(t, placement, "
                 "sbp), or make its module global with globalview.nn.to_global"
             )
@@ -135,7 +137,7 @@ def torch_function(func: Any, args: tuple, kwargs: dict) -> Any:
     fn = _table().get(func)
     if fn is None:
         raise TypeError(
-            f"{_ops._label()}globalview: {_name(func)} is not supported on global tensors; supported: linear, "
+            f"{label()}globalview: {_name(func)} is not supported on global tensors; supported: linear, "
             "matmul, relu, gelu, softmax, log_softmax, layer_norm, embedding, dropout, cross_entropy, nll_loss, "
             "mse_loss, + - * /, sum, mean, exp/log/sqrt/abs/tanh/sin/cos, transpose, permute, reshape, view"
         )

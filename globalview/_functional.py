@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import commlib
 from globalview import _ops, _random
 from globalview import _signatures as sig
+from globalview._apply import Op, label, run
 from globalview._layout import block
 from globalview._tensor import GlobalTensor
 from globalview.sbp import broadcast
@@ -38,6 +39,9 @@ __all__ = [
     "relu",
     "softmax",
 ]
+
+#: name -> the function that describes a call without running it (for ``globalview.explain``)
+PREPARE = {"linear": lambda input, weight, bias=None: _linear_op(input, weight)}
 
 
 def _polymorphic(torch_fn: Any) -> Any:
@@ -69,25 +73,37 @@ def _polymorphic(torch_fn: Any) -> Any:
     return decorate
 
 
+def _apply_op(
+    call: str, args: tuple, rule: Any, fn: Any, out_shape: tuple, dtype: Any = None, names: tuple = ()
+) -> Any:
+    return run(Op(call, tuple(args), rule, fn, tuple(out_shape), dtype, tuple(names)))
+
+
 def _fail(call: str, message: str) -> ValueError:
-    return ValueError(f"{_ops._label()}globalview.nn.functional.{call}: {message}")
+    return ValueError(f"{label()}globalview.nn.functional.{call}: {message}")
+
+
+def _linear_op(input: GlobalTensor, weight: GlobalTensor) -> Op:
+    if weight.ndim != 2 or input.ndim < 1 or input.shape[-1] != weight.shape[1]:
+        raise _fail("linear", f"input {input.shape} and weight {weight.shape} do not fit (weight is (out, in))")
+    out_shape = (*input.shape[:-1], weight.shape[0])
+    rule, names = sig.linear(input.ndim), ("input", "weight")
+    return Op("linear", (input, weight), rule, F.linear, out_shape, input._dtype, names, flops=("linear",), chain=True)
 
 
 @_polymorphic(F.linear)
 def linear(input: GlobalTensor, weight: GlobalTensor, bias: Any = None) -> GlobalTensor:
     """``input @ weight.T + bias`` (torch's linear; weight is (out, in)). Column parallel: weight
-    S(0) gives S(last); row parallel: input S(last) and weight S(1) give a partial sum."""
-    if weight.ndim != 2 or input.ndim < 1 or input.shape[-1] != weight.shape[1]:
-        raise _fail("linear", f"input {input.shape} and weight {weight.shape} do not fit (weight is (out, in))")
-    out_shape = (*input.shape[:-1], weight.shape[0])
-    rule = sig.linear(input.ndim)
-    out = _ops.apply("linear", (input, weight), rule, F.linear, out_shape, input._dtype, ("input", "weight"))
+    S(0) gives S(last); row parallel: input S(last) and weight S(1) give a partial sum; batch split
+    and weight gathered (FSDP's plan, weights split(0) at a large batch): S(0) x B -> S(0). The plan
+    is the cheapest (see ``globalview.explain``) or the one ``globalview.plan(prefer=...)`` pins."""
+    out = run(_linear_op(input, weight))
     return out if bias is None else _ops.OPERATORS["add"](out, bias)
 
 
 def _unary(call: str, x: GlobalTensor, fn: Any) -> GlobalTensor:
     rule = sig.elementwise([x.shape], x.shape, "none")
-    return _ops.apply(call, (x,), rule, fn, x.shape, x._dtype, ("input",))
+    return _apply_op(call, (x,), rule, fn, x.shape, x._dtype, ("input",))
 
 
 @_polymorphic(F.relu)
@@ -112,7 +128,7 @@ def _dim(call: str, x: GlobalTensor, dim: Any) -> int:
 def softmax(input: GlobalTensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> GlobalTensor:
     """Softmax along ``dim``: that dimension must be whole (a split of it is gathered first)."""
     d = _dim("softmax", input, dim)
-    return _ops.apply("softmax", (input,), sig.rowwise(input.ndim, (d,)), lambda a: F.softmax(a, d), input.shape)
+    return _apply_op("softmax", (input,), sig.rowwise(input.ndim, (d,)), lambda a: F.softmax(a, d), input.shape)
 
 
 @_polymorphic(F.log_softmax)
@@ -120,7 +136,7 @@ def log_softmax(input: GlobalTensor, dim: Any = None, _stacklevel: int = 3, dtyp
     """log(softmax(x)) along ``dim`` (whole, like softmax)."""
     d = _dim("log_softmax", input, dim)
     rule = sig.rowwise(input.ndim, (d,))
-    return _ops.apply("log_softmax", (input,), rule, lambda a: F.log_softmax(a, d), input.shape)
+    return _apply_op("log_softmax", (input,), rule, lambda a: F.log_softmax(a, d), input.shape)
 
 
 @_polymorphic(F.layer_norm)
@@ -142,7 +158,7 @@ def layer_norm(
 
     rule = sig.rowwise(input.ndim, tuple(range(input.ndim - k, input.ndim)), len(params))
     names = ("input", *(["weight"] if has_w else []), *(["bias"] if has_b else []))
-    return _ops.apply("layer_norm", (input, *params), rule, fn, input.shape, input._dtype, names)
+    return _apply_op("layer_norm", (input, *params), rule, fn, input.shape, input._dtype, names)
 
 
 @_polymorphic(F.embedding)
@@ -156,7 +172,7 @@ def embedding(input: GlobalTensor, weight: GlobalTensor, padding_idx: Any = None
     def fn(ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, w, padding_idx)
 
-    return _ops.apply("embedding", (input, weight), rule, fn, out_shape, weight._dtype, ("input", "weight"))
+    return _apply_op("embedding", (input, weight), rule, fn, out_shape, weight._dtype, ("input", "weight"))
 
 
 def dropout(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
@@ -232,12 +248,12 @@ def _nll(
         return picked * keep
 
     rule = sig.pick(target.ndim)
-    picked = _ops.apply(call, (input, target), rule, fn, target.shape, input._dtype, ("input", "target"))
+    picked = _apply_op(call, (input, target), rule, fn, target.shape, input._dtype, ("input", "target"))
     if reduction != "mean":
         return _reduce(call, picked, reduction)
     # torch's mean is over the targets that are not ignored
     axes = tuple(range(target.ndim))
-    count = _ops.apply(
+    count = _apply_op(
         call,
         (target,),
         sig.reduction(target.ndim, axes, False, "sum"),

@@ -87,13 +87,15 @@ class LeafGrads:
             _groups.note("all_reduce", ranks, buffer.numel() * buffer.element_size())
             return commlib.all_reduce(buffer, group=group, async_op=True)
 
-        reducer = Reducer(params, names=names, group=group, bucket_cap_mb=cap, comm=comm)
+        # in_place: a large gradient is summed where it is, in ``.grad`` (no copy into a bucket and back),
+        # as ddp.DistributedDataParallel does
+        reducer = Reducer(params, names=names, group=group, bucket_cap_mb=cap, comm=comm, in_place=True)
         self.reducers[key] = (reducer, members, ranks)
 
     def _convert(self, i: int, src: tuple, dst: tuple) -> None:
         leaf = self.leaves[i]
-        p = plan(leaf.shape, leaf.dtype, (leaf.placement, src), (leaf.placement, dst))
-        if not p.steps:
+        p = _plan(leaf.shape, leaf.dtype, leaf.placement, src, dst)
+        if all(step.kind == "relabel" for step in p.steps):  # nothing to do (a placement of one rank)
             return
         grad = leaf.param.grad
         if grad is None:
@@ -134,8 +136,14 @@ class LeafGrads:
         with torch.no_grad():
             for i, view in zip(members, views, strict=True):
                 grad = self.leaves[i].param.grad
-                if grad is not None:
+                if grad is not None and view is not grad:  # else summed in place
                     grad.copy_(view)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(shape: tuple[int, ...], dtype: Any, pl: Placement, src: tuple, dst: tuple) -> Any:
+    """The leaf gradient's conversion plan (pure, so each leaf's is made once)."""
+    return plan(shape, dtype, (pl, src), (pl, dst))
 
 
 def watch(t: Any, name: str = "tensor") -> None:

@@ -1,24 +1,19 @@
-"""SBP signatures: which input layouts an operator accepts and the output layout each gives,
-and the choice among them by cost (OneFlow's model: the bytes the inputs' boxing moves).
+"""SBP signatures: which input layouts an operator accepts and the output layout each gives.
 
 Pure: given logical shapes and layouts, no communication. A rule maps one mesh
 axis's input sbp values to candidate (required input sbp, output sbp) pairs; an
-nd placement takes one candidate per axis.
+nd placement takes one candidate per axis. ``_cost`` prices the candidates and chooses.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from globalview._placement import placement as Placement
-from globalview._plan import Plan, plan
 from globalview.sbp import SbpParallel, broadcast, partial_max, partial_min, partial_sum, split
 
 __all__ = [
-    "Choice",
-    "choose",
+    "Rule",
     "elementwise",
     "embedding",
     "linear",
@@ -32,68 +27,19 @@ __all__ = [
 B, P = broadcast, partial_sum
 PARTIAL = {"sum": partial_sum, "max": partial_max, "min": partial_min}
 Candidate = tuple[tuple[SbpParallel, ...], SbpParallel]  # (required sbp of each tensor input, output sbp)
-Rule = Callable[[tuple[SbpParallel, ...], int], list[Candidate]]  # (this axis's input sbp, its size)
 
 
 @dataclass(frozen=True)
-class Choice:
-    """The signature an operator runs with, the boxing each input needs, and what the others cost."""
+class Rule:
+    """An operator's signatures: ``rule(current, p)`` lists the candidates of one mesh axis of ``p`` ranks
+    whose inputs are laid out ``current``. ``key`` names the rule and its parameters (rules with equal keys
+    give equal candidates), so a choice can be cached."""
 
-    op: str
-    inputs: tuple[tuple[SbpParallel, ...], ...]  # required nd sbp of each tensor input
-    output: tuple[SbpParallel, ...]
-    boxing: tuple[Plan, ...]  # one per tensor input (empty plan: no change)
-    cost: int
-    considered: tuple[tuple[tuple[tuple[SbpParallel, ...], ...], tuple[SbpParallel, ...], int], ...]
+    key: tuple
+    fn: Callable[[tuple[SbpParallel, ...], int], list[Candidate]] = field(compare=False, repr=False)
 
-    def __str__(self) -> str:
-        def f(sbp: Sequence[SbpParallel]) -> str:
-            return str(sbp[0]) if len(sbp) == 1 else "(" + ", ".join(map(str, sbp)) + ")"
-
-        head = f"{self.op}: signature {' x '.join(f(s) for s in self.inputs)} -> {f(self.output)}"
-        lines = [head + (f", boxing moves {self.cost} bytes" if self.cost else ", no communication")]
-        for i, p in enumerate(self.boxing):
-            if p.steps:
-                lines.append(f"  input {i}: {p}".replace("\n", "\n  "))
-        alts = sorted(self.considered, key=lambda c: c[2])[:6]
-        lines.append(
-            "  candidates by cost: "
-            + "; ".join(f"{' x '.join(f(s) for s in ins)} -> {f(out)}: {cost} B" for ins, out, cost in alts)
-        )
-        return "\n".join(lines)
-
-
-def choose(op: str, shapes, dtypes, pl: Placement, sbps, rule: Rule) -> Choice:
-    """The cheapest signature for tensor inputs of ``shapes``/``dtypes`` laid out as ``sbps``."""
-    per_axis = [rule(tuple(s[a] for s in sbps), pl.hierarchy[a]) for a in range(pl.ndim)]
-    best, considered, plans_cache = None, [], {}
-    for combo in itertools.product(*per_axis):
-        required = tuple(tuple(c[0][i] for c in combo) for i in range(len(sbps)))
-        if _splits_into_partial(sbps, required):
-            continue
-        out = tuple(c[1] for c in combo)
-        plans = []
-        for i, req in enumerate(required):
-            key = (i, req)
-            if key not in plans_cache:
-                plans_cache[key] = plan(shapes[i], dtypes[i], (pl, sbps[i]), (pl, req))
-            plans.append(plans_cache[key])
-        cost = sum(p.nbytes for p in plans)
-        considered.append((required, out, cost))
-        if best is None or cost < best[2]:
-            best = (required, out, cost, tuple(plans))
-    required, out, cost, plans = best
-    return Choice(op, required, out, plans, cost, tuple(considered))
-
-
-def _splits_into_partial(current, required) -> bool:
-    """Boxing a split input into a partial one is never worth it: the local part grows to the
-    whole block (mostly identity values) and the output is left partial, to be reduced later."""
-    return any(
-        s.is_split and r.is_partial
-        for cur, req in zip(current, required, strict=True)
-        for s, r in zip(cur, req, strict=True)
-    )
+    def __call__(self, current: tuple[SbpParallel, ...], p: int) -> list[Candidate]:
+        return self.fn(current, p)
 
 
 def _dedupe(cands: list[Candidate]) -> list[Candidate]:
@@ -132,7 +78,7 @@ def elementwise(shapes: Sequence[tuple[int, ...]], out_shape: tuple[int, ...], p
             cands.append(((P,) + (B,) * (n - 1), P))
         return _prefer_current(current, cands)
 
-    return rule
+    return Rule(("elementwise", tuple(shapes), out_shape, partial), rule)
 
 
 def _prefer_current(current: tuple[SbpParallel, ...], cands: list[Candidate]) -> list[Candidate]:
@@ -157,7 +103,7 @@ def matmul(nd: int) -> Rule:
         cands += [((split(d), split(d)), split(d)) for d in range(nd - 2)]
         return _prefer_current(current, cands)
 
-    return rule
+    return Rule(("matmul", nd), rule)
 
 
 def reduction(ndim: int, axes: Sequence[int], keepdims: bool, reduce: str, partial: bool = True) -> Rule:
@@ -179,11 +125,12 @@ def reduction(ndim: int, axes: Sequence[int], keepdims: bool, reduce: str, parti
             cands.append(((PARTIAL[reduce],), PARTIAL[reduce]))
         return _prefer_current(current, cands)
 
-    return rule
+    return Rule(("reduction", ndim, tuple(axes), keepdims, reduce, partial), rule)
 
 
-def structural(ndim: int, dim_map: Callable[[int, int], int | None], partial_ok: bool = True) -> Rule:
-    """Transpose, reshape, indexing: S(d) -> S(dim_map(d, p)) where the map is defined, B -> B, P -> P."""
+def structural(key: tuple, ndim: int, dim_map: Callable[[int, int], int | None], partial_ok: bool = True) -> Rule:
+    """Transpose, reshape, indexing: S(d) -> S(dim_map(d, p)) where the map is defined, B -> B, P -> P.
+    ``key`` names the map (the operator and its arguments)."""
 
     def rule(current: tuple[SbpParallel, ...], p: int) -> list[Candidate]:
         cands: list[Candidate] = [((B,), B)]
@@ -195,7 +142,7 @@ def structural(ndim: int, dim_map: Callable[[int, int], int | None], partial_ok:
             cands += [((s,), s) for s in PARTIAL.values()]
         return _prefer_current(current, cands)
 
-    return rule
+    return Rule(("structural", ndim, partial_ok, *key), rule)
 
 
 def linear(nd: int) -> Rule:
@@ -209,7 +156,7 @@ def linear(nd: int) -> Rule:
         cands += [((P, B), P), ((B, P), P)]
         return _prefer_current(current, cands)
 
-    return rule
+    return Rule(("linear", nd), rule)
 
 
 def rowwise(ndim: int, whole: Sequence[int], n_params: int = 0) -> Rule:
@@ -222,7 +169,7 @@ def rowwise(ndim: int, whole: Sequence[int], n_params: int = 0) -> Rule:
         cands += [((split(d), *rest), split(d)) for d in range(ndim) if d not in whole]
         return _prefer_current(current, cands)
 
-    return rule
+    return Rule(("rowwise", ndim, tuple(whole), n_params), rule)
 
 
 def embedding(ids_ndim: int) -> Rule:
@@ -233,7 +180,7 @@ def embedding(ids_ndim: int) -> Rule:
         cands += [((split(d), B), split(d)) for d in range(ids_ndim)]
         return _prefer_current(current, cands)
 
-    return rule
+    return Rule(("embedding", ids_ndim), rule)
 
 
 def pick(target_ndim: int) -> Rule:
@@ -244,4 +191,4 @@ def pick(target_ndim: int) -> Rule:
         cands += [((split(d), split(d)), split(d)) for d in range(target_ndim)]
         return _prefer_current(current, cands)
 
-    return rule
+    return Rule(("pick", target_ndim), rule)

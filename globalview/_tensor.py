@@ -8,11 +8,10 @@ from typing import Any
 import numpy as np
 
 import commlib
-from commlib.arrays import DTYPES, as_array, numpy_dtype, to_host, torch_dtype
+from commlib.arrays import DTYPES, as_array, numpy_dtype, to_host
 from globalview import _groups, _memory
-from globalview._boxing import empty_local, execute
+from globalview._family import Family, array_family, placement_family
 from globalview._layout import block_shape, normalize_sbp
-from globalview._placement import array_module
 from globalview._placement import placement as Placement
 from globalview._plan import Plan, plan
 from globalview.sbp import SbpParallel, broadcast
@@ -25,16 +24,19 @@ class GlobalTensor:
     (which ranks hold data) and ``sbp`` (how: split, broadcast or partial), and this rank's
     local part (empty on ranks outside the placement).
 
-    Treat local parts as read-only: operators and conversions make new arrays.
+    Treat local parts as read-only: operators and conversions make new arrays. The operators and
+    tensor methods are registered in one place, ``globalview._methods``.
     """
 
-    __slots__ = ("_dtype", "_local", "_placement", "_sbp", "_shape", "_xp")
+    __slots__ = ("_dtype", "_family", "_local", "_placement", "_sbp", "_shape")
     __array_priority__ = 100  # numpy scalars defer to our operators
     __hash__ = None  # == is elementwise
 
-    def __init__(self, local: Any, shape: tuple[int, ...], dtype: Any, pl: Placement, sbp: tuple, xp: Any) -> None:
+    def __init__(
+        self, local: Any, shape: tuple[int, ...], dtype: Any, pl: Placement, sbp: tuple, family: Family
+    ) -> None:
         self._local, self._shape, self._dtype = local, tuple(shape), numpy_dtype(dtype)
-        self._placement, self._sbp, self._xp = pl, tuple(sbp), xp
+        self._placement, self._sbp, self._family = pl, tuple(sbp), family
 
     # -- what it is --------------------------------------------------------------------------
     @property
@@ -45,18 +47,17 @@ class GlobalTensor:
     @property
     def dtype(self) -> Any:
         """numpy's dtype for numpy/cupy parts, torch's for torch parts."""
-        return torch_dtype(self._dtype) if self.is_torch else self._dtype
+        return self._family.dtype(self._dtype)
 
     @property
     def is_torch(self) -> bool:
         """True when the local parts are torch tensors (then autograd works)."""
-        return getattr(self._xp, "IS_TORCH", False)
+        return self._family.differentiable
 
-    def _box_xp(self, pl: Placement | None = None) -> Any:
-        """The array module boxing runs in: the family's own, or numpy/cupy under torch parts."""
-        if not self.is_torch:
-            return self._xp
-        return array_module((pl or self._placement).type, "globalview")
+    @property
+    def _xp(self) -> Any:
+        """The numpy-like namespace local operators run in (numpy, cupy, or torch's, ``_torchns``)."""
+        return self._family.xp
 
     @property
     def ndim(self) -> int:
@@ -96,25 +97,26 @@ class GlobalTensor:
             f"local shape={tuple(self._local.shape)})"
         )
 
+    def _like(self, local: Any) -> GlobalTensor:
+        """This tensor's shape, dtype, layout and family around another local part."""
+        return GlobalTensor(local, self._shape, self._dtype, self._placement, self._sbp, self._family)
+
     # -- local and logical values -------------------------------------------------------------
     def to_local(self) -> Any:
         """This rank's part (numpy, cupy, or a torch tensor that keeps its autograd history); empty
         outside the placement. Its gradient, if it gets one, is this rank's part of the dual layout."""
         return self._local
 
-    def _array(self) -> Any:
-        """The local part as the numpy/cupy array boxing moves (a zero-copy view of a torch part)."""
-        return as_array(self._local.detach().contiguous()) if self.is_torch else self._local
-
     def numpy(self) -> np.ndarray:
         """The whole logical array, on every rank (collective: every rank must call it)."""
         me = commlib.get_rank()
         full = self if all(s.is_broadcast for s in self._sbp) else self.to_global(sbp=(broadcast,) * len(self._sbp))
         ranks = tuple(range(commlib.get_world_size()))
+        local = self._family.as_array(full._local)
         if set(self._placement.flat) == set(ranks):
-            return np.array(to_host(full._array()), copy=True) if self.is_torch else to_host(full._local)
-        root, xp = self._placement.flat[0], self._box_xp()
-        buf = full._array() if me == root else _memory.empty(xp, self._shape, self._dtype)
+            return np.array(to_host(local), copy=True) if local is not full._local else to_host(local)
+        root, xp = self._placement.flat[0], self._family.boxing_xp(self._placement)
+        buf = local if me == root else _memory.empty(xp, self._shape, self._dtype)
         buf = xp.ascontiguousarray(buf)
         _groups.collective("broadcast", commlib.broadcast, buf, src=root, group=None, ranks=ranks, nbytes=buf.nbytes)
         return to_host(buf)
@@ -144,70 +146,50 @@ class GlobalTensor:
         sbp = normalize_sbp(sbp, pl.ndim, self.ndim, call)
         if pl == self._placement and sbp == self._sbp:
             return self
+        if grad_sbp is not None and self._family.differentiable:
+            grad_sbp = normalize_sbp(grad_sbp, pl.ndim, self.ndim, call + " grad_sbp")
         p = self.plan_to(pl, sbp)
-        if self.is_torch:
-            if grad_sbp is not None:
-                grad_sbp = normalize_sbp(grad_sbp, pl.ndim, self.ndim, call + " grad_sbp")
-            local = _autograd().box(p, self._local, commlib.get_rank(), self._box_xp(), grad_sbp)
-            return GlobalTensor(local, self._shape, self._dtype, pl, sbp, self._xp)
-        xp = array_module(pl.type, call) if pl.type != self._placement.type else self._xp
-        local = execute(p, self._local, commlib.get_rank(), self._xp)
-        if xp is not self._xp:
-            local = xp.asarray(to_host(local))
-        return GlobalTensor(local, self._shape, self._dtype, pl, sbp, xp)
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        """torch functions on global tensors (``F.linear(x, w)`` in a torch module's forward)."""
-        from globalview._dispatch import torch_function
-
-        return torch_function(func, args, kwargs or {})
+        family = self._family
+        if pl.type != self._placement.type and not family.differentiable:
+            family = placement_family(pl, call)
+        local = self._family.box(p, self._local, commlib.get_rank(), grad_sbp)
+        if family is not self._family:
+            local = family.xp.asarray(to_host(local))
+        return GlobalTensor(local, self._shape, self._dtype, pl, sbp, family)
 
     # -- autograd (torch parts) -------------------------------------------------------------
     @property
     def requires_grad(self) -> bool:
-        return self.is_torch and self._local.requires_grad
+        return self._family.requires_grad(self._local)
 
     def requires_grad_(self, requires_grad: bool = True) -> GlobalTensor:
         """Make this tensor a leaf that collects gradients (torch parts only); returns it."""
-        if not self.is_torch:
-            raise TypeError(
-                f"[rank {commlib.get_rank()}/{commlib.get_world_size()}] GlobalTensor.requires_grad_: autograd "
-                f"needs torch local parts; make the tensor with a torch dtype or from torch tensors"
-            )
-        self._local.requires_grad_(requires_grad)
-        if requires_grad:
-            from globalview._leaf import watch
-
-            watch(self)
+        self._family.requires_grad_(self, requires_grad)
         return self
 
     @property
     def is_leaf(self) -> bool:
-        return not self.is_torch or self._local.is_leaf
+        return self._family.is_leaf(self._local)
 
     @property
     def grad_fn(self) -> Any:
         """The torch autograd node that made this rank's local part (None for leaves)."""
-        return self._local.grad_fn if self.is_torch else None
+        return self._family.grad_fn(self._local)
 
     @property
     def grad(self) -> GlobalTensor | None:
         """A leaf's accumulated gradient, laid out as the leaf (OneFlow's rule), or None."""
-        g = self._local.grad if self.is_torch else None
-        if g is None:
-            return None
-        return GlobalTensor(g, self._shape, self._dtype, self._placement, self._sbp, self._xp)
+        g = self._family.grad(self._local)
+        return None if g is None else self._like(g)
 
     def detach(self) -> GlobalTensor:
         """The same tensor without autograd history."""
-        local = self._local.detach() if self.is_torch else self._local
-        return GlobalTensor(local, self._shape, self._dtype, self._placement, self._sbp, self._xp)
+        return self._like(self._family.detach(self._local))
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False) -> None:
         """Backpropagate from this tensor (collective). Without ``gradient`` it must have one element;
         its sbp may be anything (a broadcast loss seeds 1 on the first rank only, a partial one on all)."""
-        _autograd().run_backward(self, gradient, retain_graph, create_graph)
+        self._family.backward(self, gradient, retain_graph, create_graph)
 
     def plan_to(self, placement: Placement, sbp: tuple[SbpParallel, ...]) -> Plan:
         """The boxing plan from this tensor's layout to (placement, sbp), without running it."""
@@ -299,7 +281,7 @@ def to_global(local: Any, placement: Placement, sbp: Any, *, grad_sbp: Any = Non
     pl = _check_placement(placement, call)
     if type(local).__module__.startswith("torch"):
         return _torch_to_global(local, pl, sbp, grad_sbp, call)
-    xp = array_module(pl.type, call) if xp is None else xp
+    xp = placement_family(pl, call).xp if xp is None else xp
     me = commlib.get_rank()
     member = me in pl
     a = None
@@ -323,22 +305,17 @@ def to_global(local: Any, placement: Placement, sbp: Any, *, grad_sbp: Any = Non
                 a, copied = a.copy(), True  # never write into the caller's array
             line = pl.line(pl.coords(me), axis)
             _groups.collective("broadcast", commlib.broadcast, a, src=line[0], group=mine, ranks=line, nbytes=a.nbytes)
+    family = array_family(xp)
     if not member:
-        return GlobalTensor(empty_local(xp, dtype), shape, dtype, pl, sbp, xp)
-    return GlobalTensor(a, shape, dtype, pl, sbp, xp)
-
-
-def _autograd() -> Any:
-    from globalview import _autograd as module  # imports torch: only for torch parts
-
-    return module
+        return GlobalTensor(family.empty(pl, dtype), shape, dtype, pl, sbp, family)
+    return GlobalTensor(a, shape, dtype, pl, sbp, family)
 
 
 def _torch_to_global(local: Any, pl: Placement, sbp: Any, grad_sbp: Any, call: str) -> GlobalTensor:
     """:func:`to_global` of a torch tensor: the numpy/cupy cast on a zero-copy view, inside autograd."""
-    from globalview import _torchns
+    from globalview._torchfamily import TORCH  # imports torch: only for torch parts
 
-    ag, xp, me = _autograd(), array_module(pl.type, call), commlib.get_rank()
+    xp = TORCH.boxing_xp(pl)
     src = local.detach().contiguous()
     made: list[GlobalTensor] = []
 
@@ -346,8 +323,8 @@ def _torch_to_global(local: Any, pl: Placement, sbp: Any, grad_sbp: Any, call: s
         g = to_global(as_array(src), pl, sbp, xp=xp)
         made.append(g)
         want = None if grad_sbp is None else normalize_sbp(grad_sbp, pl.ndim, g.ndim, call + " grad_sbp")
-        return ag.to_torch(g._local, src), g.shape, g._dtype, pl, g.sbp, want
+        return g._local, g.shape, g._dtype, pl, g.sbp, want
 
-    out = ag.from_local(local, make, me, xp)
+    out = TORCH.from_local(local, src, make, xp)
     g = made[0]
-    return GlobalTensor(out, g.shape, g._dtype, pl, g.sbp, _torchns)
+    return GlobalTensor(out, g.shape, g._dtype, pl, g.sbp, TORCH)

@@ -16,7 +16,6 @@ import torch
 
 from commlib.arrays import numpy_dtype, torch_dtype
 
-IS_TORCH = True
 exp, log, sqrt, abs, tanh, sin, cos = torch.exp, torch.log, torch.sqrt, torch.abs, torch.tanh, torch.sin, torch.cos
 matmul = torch.matmul
 

@@ -505,7 +505,11 @@ def regression_job() -> list:
 # -- the jobs, by world size and backend -------------------------------------------------------
 
 
-EXAMPLES = {2: ["data_parallel.py", "model_parallel.py", "pipeline.py", "linear_regression.py"], 4: ["hybrid_2d.py"]}
+EXAMPLES = {
+    2: ["data_parallel.py", "model_parallel.py", "pipeline.py", "linear_regression.py"],
+    3: ["fully_sharded.py"],
+    4: ["hybrid_2d.py"],
+}
 
 
 def examples_job() -> dict[str, list[str]]:
@@ -543,8 +547,10 @@ def _check_examples(by_rank: list[dict]) -> None:
                 continue
             steps = [line.split() for line in lines if line.startswith("step ")]
             assert len(steps) == 5, (script, lines)
-            for words in steps:  # "step i loss L single S"
+            for words in steps:  # "step i loss L single S", and "pinned P" (fully_sharded.py: plans pinned)
                 np.testing.assert_allclose(float(words[3]), float(words[5]), rtol=1e-9, err_msg=script)
+                for pinned in words[7:8]:
+                    np.testing.assert_allclose(float(pinned), float(words[5]), rtol=1e-9, err_msg=script)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
