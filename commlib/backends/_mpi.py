@@ -1,7 +1,8 @@
 """The mpi backend's parts: MPI datatypes and ops for each dtype, request handles, and persistent operations.
 
 MPI has no float16/bfloat16 arithmetic: those are reduced in a float32 scratch buffer and
-rounded once (moved as 16-bit words otherwise). AVG is SUM followed by one division.
+rounded once (moved as 16-bit words otherwise). AVG is SUM followed by one division (integers: NCCL's, truncating
+toward zero).
 """
 
 from __future__ import annotations
@@ -104,9 +105,23 @@ REDUCTIONS = {(d, op): _reduction(d, op) for d in MOVE_TYPE for op in ReduceOp}
 
 
 def average(buf: np.ndarray, n: int) -> None:
-    """buf /= n in place; complex numbers component by component (a real division, as NCCL's AVG)."""
+    """buf /= n in place, as NCCL's AVG: complex numbers component by component (a real division); integers
+    divided exactly, truncating toward zero (C's division: -7 / 2 == -3), never through a float."""
+    if buf.dtype.kind in "iu":
+        _divide_integers(buf, n)
+        return
     flat = buf.view(buf.real.dtype) if buf.dtype.kind == "c" else buf
     np.divide(flat, n, out=flat)
+
+
+def _divide_integers(buf: np.ndarray, n: int) -> None:
+    """buf //= n truncating toward zero, in place: the remainder (C's, the dividend's sign) is taken off first,
+    so the floor division that follows is exact. A divisor the dtype cannot hold is a wider integer."""
+    info = np.iinfo(buf.dtype)
+    divisor = buf.dtype.type(n) if n <= info.max else (np.uint64(n) if info.min == 0 else np.int64(n))
+    if info.min < 0:
+        np.subtract(buf, np.fmod(buf, divisor), out=buf, casting="same_kind")
+    np.floor_divide(buf, divisor, out=buf, casting="same_kind")
 
 
 def mpi_error(e: MPI.Exception) -> TransportError:
