@@ -52,7 +52,7 @@ class _State:
         self.by_ranks: dict[tuple[int, ...], ProcessGroup] = {}  # subgroup()'s cache, cleared with the world
         self.store: Any = None  # the rendezvous store the world keeps using (served by rank 0 when it made it)
         self.info: LaunchInfo | None = None
-        self.asked: str | None = None  # the backend name init_process_group was given, as get_backend reports it
+        self.asked: str | None = None  # "gloo" when init_process_group was given that name (get_backend says it)
         self.destroyed = False  # destroy_process_group() ended the default group: no implicit joining after it
 
 
@@ -128,7 +128,7 @@ def init_process_group(
         _state.store = owned
     world.timeout = seconds
     _state.world, _state.implicit, _state.destroyed = world, False, False
-    _state.asked = backend.lower() if isinstance(backend, str) and backend.lower() in ("gloo", "mpi", "nccl") else None
+    _state.asked = "gloo" if isinstance(backend, str) and backend.lower() == "gloo" else None
     if world not in _state.groups:
         _state.groups.insert(0, world)
 

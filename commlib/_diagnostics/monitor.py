@@ -236,7 +236,9 @@ def install_excepthook(abort: Callable[[], None] | None) -> None:
     The traceback is printed, the flight recorder dumped and the failure published through the
     job's store (:func:`report_uncaught`, so the other ranks fail fast naming this rank), then
     ``abort()`` ends the job (MPI_Abort for an MPI world; None: the process just exits, which
-    its launcher notices). ``COMMLIB_ABORT_ON_EXCEPTION=0`` turns it off.
+    its launcher notices); when a hook installed later wraps this one (torch's), once that hook has
+    written what this one printed (:func:`_abort_after_hooks`). ``COMMLIB_ABORT_ON_EXCEPTION=0``
+    turns it off.
     """
     if os.environ.get("COMMLIB_ABORT_ON_EXCEPTION", "1") == "0":
         return
