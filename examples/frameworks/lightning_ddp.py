@@ -1,7 +1,8 @@
 """PyTorch Lightning on commlib: the one switch is ``DDPStrategy(process_group_backend="commlib")``.
 
 A tiny classifier on 2 CPU processes, with a validation loop that logs with ``sync_dist=True`` (Lightning then
-averages every logged value with ``ReduceOp.AVG`` on every backend but gloo: a float loss and an int64 count).
+averages each logged value with ``ReduceOp.AVG`` on every backend but gloo, and the int64 batch count behind
+each mean too).
 
     python examples/frameworks/lightning_ddp.py --backend commlib            # Lightning's own launcher
     torchrun --standalone --nproc_per_node 2 examples/frameworks/lightning_ddp.py --backend commlib
@@ -34,7 +35,7 @@ def data(n: int, seed: int) -> TensorDataset:
 
 
 class Classifier(pl.LightningModule):
-    """A 16-32-4 MLP; validation logs its mean loss and the number of correct answers (an int64) across ranks."""
+    """A 16-32-4 MLP; validation logs its loss and correct answers per batch, averaged across ranks."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,7 +49,7 @@ class Classifier(pl.LightningModule):
         x, y = batch
         logits = self.net(x)
         self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
-        self.log("val_correct", (logits.argmax(dim=1) == y).sum(), sync_dist=True, reduce_fx="mean")
+        self.log("val_correct", (logits.argmax(dim=1) == y).sum().float(), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -101,6 +102,7 @@ def main() -> None:
             "steps": len(timer.seconds),
             "step_ms": 1000 * statistics.median(timer.seconds[2:]),
         }), flush=True)  # fmt: skip
+    torch.distributed.destroy_process_group()  # Lightning leaves the group to the script
 
 
 if __name__ == "__main__":
