@@ -88,7 +88,8 @@ def test_accelerate_on_a_group_made_before_the_accelerator(tmp_path: Path) -> No
 def test_ray_train_torch_trainer(tmp_path: Path) -> None:
     pytest.importorskip("ray.train")
     cmd = [sys.executable, str(EXAMPLES / "ray_train.py"), "--storage", str(tmp_path / "ray_results")]
-    found = results(run_job([*cmd, "--backend", "gloo", "commlib"], 300.0, clean_env(), cwd=tmp_path))
+    env = clean_env(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2")  # Ray Train polls its workers every 2 s by default
+    found = results(run_job([*cmd, "--backend", "gloo", "commlib"], 300.0, env, cwd=tmp_path))
     runs = {r["backend"]: r for r in found}
     report("Ray Train", cmd, runs)
     assert list(runs) == ["gloo", "commlib"]
