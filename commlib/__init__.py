@@ -9,6 +9,7 @@ group from the launcher's environment (``mpiexec``, ``srun``, ``commlib.launch``
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, ClassVar
 
 from commlib import env
 from commlib._barrier import barrier, monitored_barrier
@@ -64,6 +65,7 @@ from commlib.errors import (
     GroupBrokenError,
 )
 from commlib.store import FileStore, PrefixStore, Store, TCPStore
+from commlib.store._hash import HashStore
 
 __version__ = "0.1.0"
 
@@ -75,9 +77,12 @@ __all__ = [
     "CommTimeoutError",
     "DistBackendError",
     "DistError",
+    "DistNetworkError",
+    "DistStoreError",
     "FileStore",
     "GroupBrokenError",
     "GroupMember",
+    "HashStore",
     "P2POp",
     "PrefixStore",
     "ProcessGroup",
@@ -164,12 +169,18 @@ def is_gloo_available() -> bool:
 #: torch's default timeout for a process group other than nccl's (30 minutes); commlib's for the mpi backend.
 default_pg_timeout = timedelta(seconds=DEFAULT_TIMEOUT["mpi"])
 
+#: torch's store and network failures (``DistStoreError``: a store's wait timed out; ``DistNetworkError``: a
+#: peer or store unreachable). commlib raises :class:`CommError` for both (a timeout: ``CommTimeoutError``), so
+#: a torch script's ``except dist.DistStoreError`` clause catches them, as ``DistError`` catches every failure.
+DistStoreError = DistNetworkError = CommError
+
 
 class Backend(str):
     """torch's ``Backend``: the names ``init_process_group`` takes, as constants (``Backend.GLOO == "gloo"``).
 
-    ``Backend(name)`` gives the lower-case name, as torch's does; commlib runs ``"gloo"`` (and ``"cpu"``) on its
-    mpi backend, so :func:`get_backend` then says ``"mpi"``.
+    ``Backend(name)`` gives the lower-case name, as torch's does. commlib runs ``"gloo"`` on its mpi backend;
+    :func:`get_backend` then says ``"gloo"``, as torch's does. ``backend_list`` holds the names commlib's
+    ``init_process_group`` runs, then those given to :meth:`register_backend`.
     """
 
     UNDEFINED = "undefined"
@@ -177,10 +188,36 @@ class Backend(str):
     NCCL = "nccl"
     MPI = "mpi"
 
+    backend_list: ClassVar[list[str]] = [GLOO, NCCL, MPI]
+
     def __new__(cls, name: str) -> str:  # type: ignore[misc]
         if not isinstance(name, str):
             raise ValueError(f"Backend: the name must be a str, got {name!r}")
         return name.lower()
+
+    @classmethod
+    def register_backend(
+        cls, name: str, func: Any, extended_api: bool = False, devices: str | list[str] | None = None
+    ) -> None:
+        """torch's hook for a third-party backend: ``Backend.NAME`` and ``backend_list`` learn ``name``.
+
+        A third-party backend is a torch ``ProcessGroup``: run it through ``torch.distributed``;
+        commlib's ``init_process_group(backend=name)`` refuses it, saying so (and
+        :func:`is_backend_available` is False for it). commlib's own names cannot be registered.
+        """
+        from commlib._world import _BACKEND_ALIASES, REGISTERED
+
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Backend.register_backend: name must be a non-empty str, got {name!r}")
+        if not callable(func):
+            raise TypeError(f"Backend.register_backend: func must be callable (the backend's creator), got {func!r}")
+        if name.lower() in _BACKEND_ALIASES:
+            raise ValueError(f"Backend.register_backend: {name!r} is one of commlib's own backends")
+        if not hasattr(cls, name.upper()):
+            setattr(cls, name.upper(), name.lower())
+        if name.lower() not in cls.backend_list:
+            cls.backend_list.append(name.lower())
+        REGISTERED[name.lower()] = (func, extended_api, devices)
 
 
 def is_backend_available(backend: str) -> bool:

@@ -41,11 +41,13 @@ __all__ = [
 #: torch's defaults: 10 minutes for nccl, 30 minutes for everything else (seconds).
 DEFAULT_TIMEOUT = {"nccl": 600.0, "mpi": 1800.0}
 _BACKEND_ALIASES = {"mpi": "mpi", "gloo": "mpi", "cpu": "mpi", "nccl": "nccl"}
+#: Names given to ``Backend.register_backend`` (torch's hook for third-party backends): known, but not run here.
+REGISTERED: dict[str, Any] = {}
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 
 class _State:
-    __slots__ = ("by_ranks", "groups", "implicit", "info", "made", "store", "world")
+    __slots__ = ("asked", "by_ranks", "destroyed", "groups", "implicit", "info", "made", "store", "world")
 
     def __init__(self) -> None:
         self.world: ProcessGroup | None = None
@@ -55,6 +57,8 @@ class _State:
         self.store: Any = None  # the rendezvous store the world keeps using (served by rank 0 when it made it)
         self.info: LaunchInfo | None = None
         self.made = 0  # groups made by every rank since the default group was
+        self.asked: str | None = None  # "gloo" when init_process_group was given that name (get_backend says it)
+        self.destroyed = False  # destroy_process_group() ended the default group: no implicit joining after it
 
 
 _state = _State()
@@ -74,7 +78,12 @@ def _choose_backend(backend: str | None) -> str:
 
         return "nccl" if emulated() or nccl_unavailable_reason() is None else "mpi"
     if not isinstance(backend, str) or backend.lower() not in _BACKEND_ALIASES:
-        raise ValueError(f"init_process_group: backend must be one of 'mpi', 'gloo', 'nccl', 'auto', got {backend!r}")
+        registered = isinstance(backend, str) and backend.lower() in REGISTERED
+        raise ValueError(
+            f"init_process_group: backend must be one of 'mpi', 'gloo', 'nccl', 'auto', got {backend!r}"
+            + (" (registered with Backend.register_backend: a torch ProcessGroup runs through torch.distributed, "
+               "not commlib)" if registered else "")
+        )  # fmt: skip
     return _BACKEND_ALIASES[backend.lower()]
 
 
@@ -124,7 +133,8 @@ def init_process_group(
     if _state.world is None:
         _state.store = owned
     world.timeout = seconds
-    _state.world, _state.implicit = world, False
+    _state.world, _state.implicit, _state.destroyed = world, False, False
+    _state.asked = "gloo" if isinstance(backend, str) and backend.lower() == "gloo" else None
     if world not in _state.groups:
         _state.groups.insert(0, world)
 
@@ -154,7 +164,7 @@ def resolve(group: ProcessGroup | None, call: str) -> tuple[ProcessGroup, Backen
     """
     g = _state.world if group is None else group
     if g is None:
-        g = _implicit_world()
+        g = _implicit_world(call)
     elif type(g) is not ProcessGroup:
         raise TypeError(
             f"{label()}{call}: group must be a ProcessGroup from commlib.new_group() or None, got {group!r}"
@@ -164,7 +174,14 @@ def resolve(group: ProcessGroup | None, call: str) -> tuple[ProcessGroup, Backen
     return g, g.backend
 
 
-def _implicit_world() -> ProcessGroup:
+def _implicit_world(call: str = "") -> ProcessGroup:
+    """The default group made by a program's first call; after destroy_process_group(), torch's ValueError."""
+    if _state.destroyed:
+        raise ValueError(
+            f"{call or 'commlib'}: the default process group was destroyed by destroy_process_group(); call "
+            "init_process_group() to make a new one (as in torch.distributed, a call after destroy_process_group() "
+            "does not join the job again: only a program's first call does)"
+        )
     name = _choose_backend(None)
     _state.world, _state.store = make_world(name, _default_timeout(name), -1, -1, "env://", None)
     _check_at_exit()
@@ -196,7 +213,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}
     if everything:
         store, _state.store = _state.store, None
-        _state.world, _state.implicit, _state.groups, _state.by_ranks = None, False, [], {}
+        _state.destroyed = _state.destroyed or _state.world is not None
+        _state.world, _state.implicit, _state.groups, _state.by_ranks, _state.asked = None, False, [], {}, None
         _state.made = 0
         if store is not None:
             store.close()
@@ -327,19 +345,21 @@ def _check_ranks(world: ProcessGroup, ranks: Any, call: str = "new_group") -> li
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in ``group`` (default: the world); -1 when it is not a member."""
     g = _state.world if group is None else group
-    return (g or _implicit_world()).rank
+    return (g or _implicit_world("get_rank")).rank
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """Number of ranks in ``group`` (default: the world); -1 when this process is not a member."""
-    g = (_state.world if group is None else group) or _implicit_world()
+    g = (_state.world if group is None else group) or _implicit_world("get_world_size")
     return g.size if g.rank >= 0 else -1
 
 
 def get_backend(group: ProcessGroup | None = None) -> str:
-    """The backend name of ``group`` (``"mpi"`` or ``"nccl"``)."""
-    g = (_state.world if group is None else group) or _implicit_world()
-    return g.backend_name
+    """The backend name of ``group`` as torch reports it: the name init_process_group was given (``"gloo"``,
+    ``"mpi"``, ``"nccl"``), else the engine's (``"mpi"`` or ``"nccl"``); ``"gloo"`` runs on the mpi engine."""
+    g = (_state.world if group is None else group) or _implicit_world("get_backend")
+    name = g.backend_name
+    return "gloo" if name == "mpi" and _state.asked == "gloo" else name
 
 
 def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
@@ -354,7 +374,7 @@ def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
     """The global ranks of ``group`` (default: the world), in group-rank order."""
-    g = (_state.world if group is None else group) or _implicit_world()
+    g = (_state.world if group is None else group) or _implicit_world("get_process_group_ranks")
     return list(g.ranks)
 
 

@@ -17,8 +17,8 @@ ALL_DTYPES = [np.dtype(d) for d in [*INTS, *FLOATS, *COMPLEX, np.bool_]]
 LOW = {np.dtype(np.float16), BF16}
 
 OPS_BY_KIND = {
-    "i": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"],
-    "u": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"],
+    "i": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG"],
+    "u": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG"],
     "f": ["SUM", "PRODUCT", "MIN", "MAX", "AVG"],
     "c": ["SUM", "PRODUCT", "AVG"],
     "b": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"],
@@ -32,8 +32,8 @@ def kind(dtype: np.dtype) -> str:
 # What NCCL can reduce (it has no 16-bit integers, no bitwise ops, no complex product; bool is
 # reduced as uint8 with max/min).
 NCCL_OPS = {
-    "i": ["SUM", "PRODUCT", "MIN", "MAX"],
-    "u": ["SUM", "PRODUCT", "MIN", "MAX"],
+    "i": ["SUM", "PRODUCT", "MIN", "MAX", "AVG"],
+    "u": ["SUM", "PRODUCT", "MIN", "MAX", "AVG"],
     "f": ["SUM", "PRODUCT", "MIN", "MAX", "AVG"],
     "c": ["SUM", "AVG"],
     "b": ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR"],
@@ -85,10 +85,17 @@ def reduce(arrays: list[np.ndarray], op: str) -> np.ndarray:
         "BXOR": np.bitwise_xor,
     }[op]
     out = ufunc.reduce(stack, axis=0, dtype=stack.dtype)
+    if op == "AVG" and kind(dtype) in "iu":  # NCCL's: the sum divided, truncating toward zero (C's division)
+        return np.array([truncated(int(v), len(arrays)) for v in out.ravel()], dtype).reshape(out.shape)
     if op == "AVG":  # one real division per component, complex numbers included
         n = np.asarray(len(arrays), dtype=out.real.dtype)
         out = out.real / n + 1j * (out.imag / n) if out.dtype.kind == "c" else out / n
     return out.astype(dtype)
+
+
+def truncated(total: int, n: int) -> int:
+    """``total / n`` rounded toward zero, in Python integers (exact at any width)."""
+    return abs(total) // n * (1 if total >= 0 else -1)
 
 
 def group_layouts(n: int) -> dict[str, list[int]]:

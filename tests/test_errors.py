@@ -88,11 +88,11 @@ CASES = {
         ValueError,
         "send: dst must be another rank",
     ),
-    "AVG on integers": (
-        lambda d, g: d.all_reduce(np.ones(2, np.int32), d.ReduceOp.AVG, g),
-        lambda d, g: d.all_reduce(np.ones(2, np.int32), d.ReduceOp.SUM, g),
+    "AVG on bool": (
+        lambda d, g: d.all_reduce(np.ones(2, np.bool_), d.ReduceOp.AVG, g),
+        lambda d, g: d.all_reduce(np.ones(2, np.bool_), d.ReduceOp.SUM, g),
         TypeError,
-        "op=ReduceOp.AVG is not defined for dtype int32: AVG would truncate integers",
+        "op=ReduceOp.AVG is not defined for dtype bool: an average of true/false is not a bool",
     ),
     "bitwise on floats": (
         lambda d, g: d.all_reduce(_f32(), d.ReduceOp.BXOR, g),

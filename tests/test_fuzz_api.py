@@ -493,8 +493,7 @@ def _apply_scalar(
         return ValueError, [f"tag must be an int in [0, {2**31 - 3 if dist.get_backend() == 'nccl' else ''}"]
     if defect == "wrong_op":
         dtype = np.asarray(kw.get("tensor", kw.get("output"))).dtype
-        allowed = ops_for(dtype, dist.get_backend())
-        bad = [op for op in ("AVG", "BAND", "BOR", "BXOR", "MIN", "MAX", "PRODUCT") if op not in allowed]
+        bad = _wrong_ops(dist, dtype)
         kw[arg] = getattr(dist.ReduceOp, bad[v % len(bad)])
         return TypeError, [f"op={kw[arg]} ", f"dtype {dtype}"]
     if defect == "unknown_op":
@@ -519,6 +518,12 @@ def _invoke(dist: Any, call: str, kw: dict) -> Any:
     return lambda: dist.batch_isend_irecv(ops)
 
 
+def _wrong_ops(dist: Any, dtype: np.dtype) -> list[str]:
+    """The reductions the backend refuses on ``dtype`` (none for integers on mpi: every op is defined)."""
+    allowed = ops_for(dtype, dist.get_backend())
+    return [op for op in ("AVG", "BAND", "BOR", "BXOR", "MIN", "MAX", "PRODUCT") if op not in allowed]
+
+
 def _usable(call: str, defect: str, n: int, k: int) -> bool:
     """Whether the drawn defect is meaningful for a group of ``n`` ranks and ``k`` elements."""
     p2p = call in ("send", "isend", "recv", "irecv", "batch_isend_irecv")
@@ -533,7 +538,7 @@ def _invalid(dist: Any, groups: dict, lay: dict, case: tuple) -> str:
     """Make the drawn mistake on this rank; return 'refused', 'rejected' or 'skipped' (asserting the contract)."""
     (call, arg, defect), dtype, k, layout, v = case
     ranks, me, g = lay[layout], dist.get_rank(), groups[layout]
-    if not _usable(call, defect, len(ranks), k):
+    if not _usable(call, defect, len(ranks), k) or (defect == "wrong_op" and not _wrong_ops(dist, dtype)):
         return "skipped"
     label = f"[rank {me}/{dist.get_world_size()}] "
     i = ranks.index(me) if me in ranks else 0

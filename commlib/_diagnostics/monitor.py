@@ -37,6 +37,7 @@ _REPORTED = f"{_PREFIX}/reported"
 _STORE_TIMEOUT = 1.0  # the store is an aid: a slow or vanished store must not stall a rank for long
 _GRACE = 1.0  # after a timeout, how long (at most a quarter of the timeout) late ranks get to publish
 _ACK_WAIT = 2.0  # how long a failed rank waits for the others to report, before MPI_Abort
+_EXIT_WAIT = 3.0  # after a hook that wraps commlib's: how long the interpreter gets to exit before MPI_Abort
 _MISSING = "\x00missing"
 _PAYLOAD = 256
 
@@ -51,6 +52,7 @@ class _State:
         self.published: set[tuple[str, int, bool]] = set()
         self.mine: dict[tuple[str, int], str] = {}  # (group, seq) -> this rank's call in its stamps' words
         self.failure_raised = False
+        self.hook: Any = None  # the current world's excepthook (an earlier world's, still in torch's chain, passes)
 
 
 _state = _State()
@@ -258,7 +260,9 @@ def install_excepthook(abort: Callable[[], None] | None) -> None:
     The traceback is printed, the flight recorder dumped and the failure published through the
     job's store (:func:`report_uncaught`, so the other ranks fail fast naming this rank), then
     ``abort()`` ends the job (MPI_Abort for an MPI world; None: the process just exits, which
-    its launcher notices). ``COMMLIB_ABORT_ON_EXCEPTION=0`` turns it off.
+    its launcher notices); when a hook installed later wraps this one (torch's), once that hook has
+    written what this one printed (:func:`_abort_after_hooks`). ``COMMLIB_ABORT_ON_EXCEPTION=0``
+    turns it off.
     """
     if os.environ.get("COMMLIB_ABORT_ON_EXCEPTION", "1") == "0":
         return
@@ -268,7 +272,7 @@ def install_excepthook(abort: Callable[[], None] | None) -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         previous(kind, value, tb)
-        if issubclass(kind, KeyboardInterrupt):
+        if issubclass(kind, KeyboardInterrupt) or _state.hook is not hook:  # not the world's: one hook aborts
             return
         sys.stdout.flush()
         if abort is not None:  # said before the wait below: MPI_Abort can cut off output written just before it
@@ -276,12 +280,40 @@ def install_excepthook(abort: Callable[[], None] | None) -> None:
             sys.stderr.flush()
         with contextlib.suppress(BaseException):  # the job must end whatever happens
             report_uncaught(kind, value)
-        if abort is not None:
+        if abort is None:
+            return
+        if sys.excepthook is hook:
             abort()
+        else:  # a hook installed later called this one (torch's); it writes what we printed once we return
+            _abort_after_hooks(abort)
 
     hook._commlib = True  # type: ignore[attr-defined]
     hook._previous = previous  # type: ignore[attr-defined]
-    sys.excepthook = hook
+    sys.excepthook = _state.hook = hook
+
+
+def _abort_after_hooks(abort: Callable[[], None]) -> None:
+    """End the job once the calling hooks have returned: at interpreter exit, or after a few seconds at most.
+
+    torch's ``init_process_group`` wraps the hook it finds (commlib's) in one that points
+    ``sys.stderr`` at a buffer, calls it, and only then writes the buffer, prefixed with the rank,
+    to the real stderr: aborting inside commlib's hook would lose the traceback. Python runs
+    ``atexit`` functions once the hooks have returned and its other threads have ended (this one
+    first: the last registered); the timer ends the job should the exit stall on a thread.
+    """
+    import atexit
+    import threading
+
+    once = threading.Lock()
+
+    def end() -> None:
+        if once.acquire(blocking=False):
+            abort()
+
+    atexit.register(end)
+    timer = threading.Timer(_EXIT_WAIT, end)
+    timer.daemon = True
+    timer.start()
 
 
 def report_uncaught(kind: type[BaseException], value: BaseException) -> None:

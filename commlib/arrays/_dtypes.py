@@ -45,13 +45,13 @@ _BY_NAME = {str(d): d for d in DTYPES} | {"bool": np.dtype(np.bool_), "half": np
 _BY_NAME |= {"float": np.dtype(np.float32), "double": np.dtype(np.float64), "cfloat": np.dtype(np.complex64)}
 
 _ALLOWED_OPS = {
-    "int": frozenset(ReduceOp) - {ReduceOp.AVG},
+    "int": frozenset(ReduceOp),  # AVG as NCCL's: the sum (wrapping as the dtype does), divided truncating toward zero
     "float": frozenset({ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG}),
     "complex": frozenset({ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG}),
     "bool": frozenset(ReduceOp) - {ReduceOp.AVG},
 }
 _WHY_NOT = {
-    ReduceOp.AVG: "AVG would truncate integers; reduce with SUM and divide in floating point",
+    ReduceOp.AVG: "an average of true/false is not a bool; reduce with SUM (logical or) or cast to an integer",
     ReduceOp.BAND: "bitwise ops need an integer or bool dtype",
     ReduceOp.BOR: "bitwise ops need an integer or bool dtype",
     ReduceOp.BXOR: "bitwise ops need an integer or bool dtype",
@@ -93,5 +93,5 @@ def kind(dtype: Any) -> str:
 
 
 def op_error(op: ReduceOp, dtype: np.dtype) -> str | None:
-    """Why ``op`` makes no sense on ``dtype`` (AVG on integers, bitwise on floats), or None."""
+    """Why ``op`` makes no sense on ``dtype`` (AVG on bool, bitwise on floats), or None."""
     return None if op in _ALLOWED_OPS[DTYPES[dtype]] else f"op={op} is not defined for dtype {dtype}: {_WHY_NOT[op]}"

@@ -1,4 +1,5 @@
-"""The mpi backend's small parts: AVG's division, MPI's errors as commlib's, a bounded wait on one request."""
+"""The mpi backend's small parts: AVG's division (integers: NCCL's, truncating toward zero), MPI's errors as
+commlib's, a bounded wait on one request."""
 
 from __future__ import annotations
 
@@ -14,9 +15,23 @@ _FAST_POLLS = range(256)
 
 
 def average(buf: np.ndarray, n: int) -> None:
-    """buf /= n in place; complex numbers component by component (a real division, as NCCL's AVG)."""
+    """buf /= n in place, as NCCL's AVG: complex numbers component by component (a real division); integers
+    divided exactly, truncating toward zero (C's division: -7 / 2 == -3), never through a float."""
+    if buf.dtype.kind in "iu":
+        _divide_integers(buf, n)
+        return
     flat = buf.view(buf.real.dtype) if buf.dtype.kind == "c" else buf
     np.divide(flat, n, out=flat)
+
+
+def _divide_integers(buf: np.ndarray, n: int) -> None:
+    """buf //= n truncating toward zero, in place: the remainder (C's, the dividend's sign) is taken off first,
+    so the floor division that follows is exact. A divisor the dtype cannot hold is a wider integer."""
+    info = np.iinfo(buf.dtype)
+    divisor = buf.dtype.type(n) if n <= info.max else (np.uint64(n) if info.min == 0 else np.int64(n))
+    if info.min < 0:
+        np.subtract(buf, np.fmod(buf, divisor), out=buf, casting="same_kind")
+    np.floor_divide(buf, divisor, out=buf, casting="same_kind")
 
 
 def mpi_error(e: MPI.Exception) -> TransportError:

@@ -65,6 +65,7 @@ _BOOL_OPS = {
     ReduceOp.BAND: ReduceOp.MIN,
 }
 _BOOL, _SPLIT_NOCOLOR, _INT64 = np.dtype(np.bool_), -1, np.dtype(np.int64)
+_AVG_SINCE = 21000  # ncclAvg (every type; integers: the sum divided, truncating toward zero) came with NCCL 2.10
 
 
 def check_reduction(dtype: np.dtype, op: ReduceOp) -> str | None:
@@ -186,6 +187,7 @@ class NcclBackend(Backend):
         self._grouped: list[_EventHandle] = []
         self._unverified: collections.deque[_EventHandle] = collections.deque()  # device calls to check later
         self._aborted = False
+        self._version = int(nccl.get_version())
 
     def __repr__(self) -> str:
         return f"<NcclBackend rank {self.rank}/{self.size} over {self.comm!r}>"
@@ -195,7 +197,11 @@ class NcclBackend(Backend):
         return (host_array if self.host else device_array)(obj, ctx, call, arg, writable)
 
     def unsupported(self, dtype: np.dtype, op: ReduceOp) -> str | None:
-        """What NCCL cannot reduce: bitwise ops, xor on bool, 16-bit integers, complex products."""
+        """What NCCL cannot reduce: bitwise ops, xor on bool, 16-bit integers, complex products; AVG before 2.10."""
+        if op is ReduceOp.AVG and self._version < _AVG_SINCE:
+            v = self._version  # NCCL's code: major*10000 + minor*100 + patch since 2.9, major*1000 + minor*100 before
+            version = f"{v // 10000}.{v // 100 % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}"
+            return f"NCCL {version} has no AVG (ncclAvg needs NCCL 2.10 or newer); use SUM and divide"
         return _check_reduction(dtype, op)
 
     # -- plumbing -----------------------------------------------------------------

@@ -135,9 +135,11 @@ def _divide(acc: np.ndarray, n: int) -> None:
     if acc.dtype.kind == "f":
         acc /= n
         return
-    quotient = acc // n
+    info = np.iinfo(acc.dtype)
+    d = acc.dtype.type(n) if n <= info.max else (np.uint64(n) if info.min == 0 else np.int64(n))  # 128 int8 ranks
+    quotient = acc // d
     if acc.dtype.kind == "i":
-        quotient += ((acc % n) != 0) & (acc < 0)  # floor -> truncation for negative sums
+        quotient += ((acc % d) != 0) & (acc < 0)  # floor -> truncation for negative sums
     acc[...] = quotient
 
 

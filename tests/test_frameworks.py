@@ -1,0 +1,118 @@
+"""The training frameworks people use, unchanged but for their own switch to commlib, on 2 CPU processes: the
+final weights equal gloo's bit for bit (the examples in examples/frameworks/, run as a user runs them).
+
+- PyTorch Lightning, ``DDPStrategy(process_group_backend="commlib")``, a validation loop logging with
+  ``sync_dist=True`` (integer AVG), under Lightning's own launcher and under torchrun;
+- Accelerate, the process group made before the ``Accelerator`` (and Accelerate reporting it);
+- Ray Train, ``TorchTrainer`` with ``TorchConfig(backend="commlib")``, ``ray.init(num_cpus=2)``;
+- ``torchrun --max-restarts 2`` with a worker that SIGKILLs itself after a snapshot: the job resumes from it and
+  ends with an uninterrupted gloo run's weights.
+
+Each test prints the commands, both checksums and both median step times (``pytest -s`` shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from jobs import ROOT, Finished, clean_env, run_job
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+EXAMPLES = ROOT / "examples" / "frameworks"
+DEADLINE = 240.0  # one job, startup included (Lightning's imports alone take seconds per process)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def results(job: Finished) -> list[dict]:
+    """The ``RESULT {json}`` lines rank 0 printed (the job must have succeeded)."""
+    assert job.returncode == 0, job.tail()
+    found = [json.loads(line[len("RESULT ") :]) for line in job.stdout.splitlines() if line.startswith("RESULT ")]
+    assert found, job.tail()
+    return found
+
+
+def both(cmd: list[str], tmp_path: Path) -> dict[str, dict]:
+    """``cmd --backend B`` for gloo, then commlib, one after the other: their results by backend."""
+    return {
+        b: results(run_job([*cmd, "--backend", b], DEADLINE, clean_env(), cwd=tmp_path))[0] for b in ("gloo", "commlib")
+    }
+
+
+def report(name: str, cmd: list[str], runs: dict[str, dict]) -> None:
+    """One line per framework: the command, the checksums and the step times side by side."""
+    shown = " ".join(str(c).replace(str(ROOT) + "/", "") for c in cmd).replace(sys.executable, "python")
+    times = ", ".join(f"{b} {r['step_ms']:.2f} ms/step" for b, r in runs.items())
+    sums = ", ".join(f"{b} {r['weights_sha256']}" for b, r in runs.items())
+    print(f"\n{name}: {shown} --backend gloo|commlib\n  weights sha256: {sums}\n  median step: {times}")
+
+
+def test_lightning_under_its_own_launcher(tmp_path: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
+    cmd = [sys.executable, str(EXAMPLES / "lightning_ddp.py")]
+    runs = both(cmd, tmp_path)
+    report("Lightning (its launcher)", cmd, runs)
+    gloo, ours = runs["gloo"], runs["commlib"]
+    assert ours["backend"] == "commlib" and gloo["backend"] == "gloo"
+    assert ours["weights_sha256"] == gloo["weights_sha256"]
+    assert (ours["val_loss"], ours["val_correct"]) == (gloo["val_loss"], gloo["val_correct"])  # synced on every rank
+    assert ours["steps"] == gloo["steps"] == 24
+
+
+def test_lightning_under_torchrun(tmp_path: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
+    cmd = [*TORCHRUN, str(EXAMPLES / "lightning_ddp.py")]
+    runs = both(cmd, tmp_path)
+    report("Lightning (torchrun)", cmd, runs)
+    assert runs["commlib"]["weights_sha256"] == runs["gloo"]["weights_sha256"]
+    assert runs["commlib"]["val_correct"] == runs["gloo"]["val_correct"]
+
+
+def test_accelerate_on_a_group_made_before_the_accelerator(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    cmd = [*TORCHRUN, str(EXAMPLES / "accelerate_cpu.py")]
+    runs = both(cmd, tmp_path)
+    report("Accelerate (torchrun)", cmd, runs)
+    gloo, ours = runs["gloo"], runs["commlib"]
+    assert (ours["accelerate_backend"], ours["torch_backend"]) == ("commlib", "commlib")  # what Accelerate reports
+    assert (gloo["accelerate_backend"], gloo["torch_backend"]) == ("gloo", "gloo")
+    assert ours["distributed_type"] == "DistributedType.MULTI_CPU" and ours["processes"] == 2
+    assert ours["weights_sha256"] == gloo["weights_sha256"]
+    assert ours["accuracy"] == gloo["accuracy"]  # gathered from both ranks (all_gather_into_tensor on commlib)
+
+
+def test_ray_train_torch_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("ray.train")
+    cmd = [sys.executable, str(EXAMPLES / "ray_train.py"), "--storage", str(tmp_path / "ray_results")]
+    env = clean_env(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2")  # Ray Train polls its workers every 2 s by default
+    found = results(run_job([*cmd, "--backend", "gloo", "commlib"], 300.0, env, cwd=tmp_path))
+    runs = {r["backend"]: r for r in found}
+    report("Ray Train", cmd, runs)
+    assert list(runs) == ["gloo", "commlib"]
+    assert runs["commlib"]["weights_sha256"] == runs["gloo"]["weights_sha256"]
+    assert runs["commlib"]["steps"] == runs["gloo"]["steps"] == 24
+
+
+def test_torchrun_restarts_after_a_worker_is_killed(tmp_path: Path) -> None:
+    """commlib: rank 1 SIGKILLs itself after epoch 1's snapshot, torchrun restarts both, they finish from epoch 2.
+    gloo runs the job uninterrupted (gloo itself can hang on a restart: stale rendezvous addresses)."""
+    script = str(EXAMPLES / "torchrun_restarts.py")
+    gloo_cmd = [*TORCHRUN, script, "--snapshot", str(tmp_path / "gloo.pt"), "--backend", "gloo"]
+    gloo = results(run_job(gloo_cmd, DEADLINE, clean_env(), cwd=tmp_path))[0]
+    restarts = [*TORCHRUN, "--max-restarts", "2", script, "--snapshot", str(tmp_path / "commlib.pt")]
+    killed = run_job(
+        [*restarts, "--kill-after-epoch", "1", "--backend", "commlib"], DEADLINE, clean_env(), cwd=tmp_path
+    )
+    ours = results(killed)[0]
+    report(
+        "torchrun --max-restarts 2 (commlib killed once, gloo uninterrupted)", restarts, {"gloo": gloo, "commlib": ours}
+    )
+    assert "exitcode: -9" in killed.stderr, killed.tail()  # the SIGKILL happened, and torchrun saw it
+    assert (tmp_path / "commlib.killed").exists()
+    assert (ours["restarts"], ours["resumed_from_epoch"]) == (1, 2)
+    assert (gloo["restarts"], gloo["resumed_from_epoch"]) == (0, 0)
+    assert ours["weights_sha256"] == gloo["weights_sha256"]
