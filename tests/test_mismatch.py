@@ -28,7 +28,7 @@ import pytest
 
 from commlib.testing import run
 
-TIMEOUT = 3.0
+TIMEOUT = 2.0
 SIZES = (8, 64 << 10, 4 << 20)
 KINDS = (
     *("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"),

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from commlib._diagnostics import flight as _flight
-from commlib.errors import CommError, GroupBrokenError
+from commlib.errors import CollectiveMismatchError, CommError, GroupBrokenError
 
 __all__ = ["arrival", "report_uncaught", "setup", "watchdog"]
 
@@ -177,6 +177,8 @@ def watchdog(waited: float, what: str | None = None) -> None:
     running = _flight.waiting()
     if running is not None and running[0].rank >= 0:
         _publish(*running, what)
+        if what is not None and waited >= 0.5:  # every rank waits in call #seq: are they all the same call?
+            _compare(*running, what)
     failure = _call("compare_set", _FAILED, _MISSING, _MISSING)
     if failure is None or failure.decode(errors="replace") == _MISSING:
         return
@@ -191,6 +193,27 @@ def watchdog(waited: float, what: str | None = None) -> None:
     )
     err.commlib_peer_failure = True  # type: ignore[attr-defined]
     raise err
+
+
+def _compare(g: Any, call: str, seq: int, what: str) -> None:
+    """A long wait in call #``seq`` of ``g``: when every other rank has published that it waits in call #``seq``
+    too, in other words (another kind, size, root, op: stamps that will never meet), no rank can go on: raise
+    ``CollectiveMismatchError`` now, listing each rank's call, instead of at the timeout."""
+    others = {}
+    for p in range(g.size):
+        if p == g.rank:
+            continue
+        s = _progress(g, p)
+        if s is None or s[0] != seq or s[2] is None:
+            return  # a rank elsewhere (or silent): only the timeout can tell
+        others[g.ranks[p]] = s[2]
+    if all(w == what for w in others.values()):
+        return
+    calls = "; ".join([f"this rank (rank {g.ranks[g.rank]}): {what}", *(f"rank {r}: {w}" for r, w in others.items())])
+    raise CollectiveMismatchError(
+        f"{g.what(call, seq)}: the ranks are not making the same call: every rank waits in call #{seq}, but their "
+        f"calls differ: {calls}; the group is now unusable"
+    )
 
 
 def arrival(g: Any, call: str, seq: int, timeout: float) -> tuple[str, bool]:
