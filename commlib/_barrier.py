@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from commlib._collectives import ran_ready
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._timeouts import as_seconds
+from commlib._world import _state as _world
 from commlib._world import resolve
 from commlib.backends.base import MeetingTimeout
 from commlib.errors import CommTimeoutError
@@ -19,7 +19,17 @@ def barrier(
     group: ProcessGroup | None = None, async_op: bool = False, device_ids: Any = None, timeout: Any = None
 ) -> Work | None:
     """Wait until every rank of the group has called barrier (``timeout`` overrides the group's)."""
-    if timeout is None and device_ids is None and ran_ready(group, "barrier", "barrier", (), None, None, async_op):
+    g = _world.world if group is None else group
+    if (
+        timeout is None
+        and device_ids is None
+        and not async_op
+        and type(g) is ProcessGroup
+        and (ready := g.ready) is not None
+        and not g.pending
+        and (p := ready["barrier"].get(())) is not None
+        and g.run_ready("barrier", p, None, None)
+    ):
         return None
     g, b = resolve(group, "barrier")
     seconds = None if timeout is None else as_seconds(timeout, f"{g.label}barrier")  # checked before posting

@@ -179,11 +179,17 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     """Copy ``tensor`` from rank ``src`` to every rank of the group, in place."""
+    g = _world.world if group is None else group
     if (
         type(tensor) is _ndarray
         and type(src) is int
         and group_src is None
-        and ran_ready(group, "broadcast", "broadcast", (tensor.nbytes, src), tensor, tensor, async_op)
+        and not async_op
+        and type(g) is ProcessGroup
+        and (ready := g.ready) is not None
+        and not g.pending
+        and (p := ready["broadcast"].get((tensor.nbytes, src))) is not None
+        and g.run_ready("broadcast", p, tensor, tensor)
     ):
         return None
     g, _ = resolve(group, "broadcast")

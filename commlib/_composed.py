@@ -15,6 +15,7 @@ import numpy as np
 from commlib._collectives import check_list, packed, pair, ran_ready, root_rank, unpack
 from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
+from commlib._world import _state as _world
 from commlib._world import resolve
 
 __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
@@ -70,15 +71,28 @@ def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0 and send split i to rank i; receive rank i's split into ``output``."""
     call = "all_to_all_single"
-    if type(input) is _ndarray and type(output) is _ndarray:
-        sizes = (input.nbytes, output.nbytes)
+    g = _world.world if group is None else group
+    if (
+        type(input) is _ndarray
+        and type(output) is _ndarray
+        and not async_op
+        and type(g) is ProcessGroup
+        and (ready := g.ready) is not None
+        and not g.pending
+    ):
         if output_split_sizes is None and input_split_sizes is None:
-            if ran_ready(group, call, "all_to_all", sizes, input, output, async_op):
-                return None
-        elif _int_list(input_split_sizes) and _int_list(output_split_sizes):  # as the generic path saw them before
-            splits = (tuple(input_split_sizes), tuple(output_split_sizes))  # type: ignore[arg-type]
-            if ran_ready(group, call, "all_to_all_v", (*sizes, splits), input, output, async_op):
-                return None
+            p = ready["all_to_all"].get((input.nbytes, output.nbytes))
+        elif type(input_split_sizes) is list and type(output_split_sizes) is list:
+            key = (input.nbytes, output.nbytes, (tuple(input_split_sizes), tuple(output_split_sizes)))
+            p = ready["all_to_all_v"].get(key)
+            if p is not None and not (
+                _INT.issuperset(map(type, input_split_sizes)) and _INT.issuperset(map(type, output_split_sizes))
+            ):  # as the generic path takes them: ints (not bools, not floats)
+                p = None
+        else:
+            p = None
+        if p is not None and g.run_ready(call, p, input, output):
+            return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output, "output", input, "input")
     sc = _splits(g, call, "input_split_sizes", input_split_sizes, inp)

@@ -174,23 +174,22 @@ class ProcessGroup:
         Each of ``inp`` and ``out`` is an array, a list of arrays (scatter's and gather's root lists, in rank
         order) or None (no input; no output on this rank).
         """
-        seq, t0 = self.seq + 1, _now()
+        seq = self.seq + 1
         try:
             done = p.go(inp, out, seq)  # start, a few tests: most small calls end here
         except BaseException as e:
-            self.seq = seq
-            slot = next(_slots)
-            _starts[slot] = (self, call, p.dtype, p.count, seq, t0)
-            self.ready_rest(call, p, out, seq, slot, e)
+            done = e
         if done is None:
             return False
         self.seq = seq
         slot = next(_slots)
-        _starts[slot] = (self, call, p.dtype, p.count, seq, t0)
-        if done:
-            _ends[slot] = _now()
+        # stamped once, as go() returned: a call done by then is recorded with no duration (its start is within
+        # microseconds, or a large one's spin of at most 0.25 s, of that); one still running from there on
+        _starts[slot] = (self, call, p.dtype, p.count, seq, t := _now())
+        if done is True:
+            _ends[slot] = t
             return True
-        self.ready_rest(call, p, out, seq, slot, None)
+        self.ready_rest(call, p, out, seq, slot, done if isinstance(done, BaseException) else None)
         return True
 
     def ready_rest(self, call: str, p: Any, out: Any, seq: int, slot: int, exc: BaseException | None) -> None:

@@ -45,10 +45,9 @@ def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
     return tag
 
 
-def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_peer: Any) -> bool:
-    """Run a blocking send or recv of a numpy array through the backend's ready operation, if it has one
-    (a peer given as a global rank) and the array is its; False: the generic path (nothing happened)."""
-    g = _world.world if group is None else group
+def _ready(g: Any, call: str, tensor: Any, peer: Any, tag: Any, group_peer: Any) -> Any:
+    """The backend's ready operation for a blocking send or recv of a numpy array to or from a peer given as a
+    global rank, if it has one (its ``go`` then says whether the array is its); else None: the generic path."""
     if (
         type(tensor) is np.ndarray
         and type(peer) is int
@@ -57,21 +56,9 @@ def _ran_ready(call: str, tensor: Any, peer: Any, group: Any, tag: Any, group_pe
         and type(g) is ProcessGroup
         and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
         and not g.pending
-        and (p := ready[call].get((tensor.nbytes, peer, tag))) is not None
     ):
-        sending = call == "send"
-        inp, out = (tensor, None) if sending else (None, tensor)
-        try:  # ProcessGroup.run_ready for a send or receive (neither numbered nor recorded)
-            done = p.go(inp, out, 0)
-        except BaseException as e:
-            g.ready_rest(call, p, out, 0, -1, e)
-        if done is None:
-            return False
-        (g.sent if sending else g.received)[peer] += 1  # counted for the group's closing check
-        if not done:
-            g.ready_rest(call, p, out, 0, -1, None)
-        return True
-    return False
+        return ready[call].get((tensor.nbytes, peer, tag))
+    return None
 
 
 def _send_args(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> tuple:
@@ -122,8 +109,17 @@ def send(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until the buffer may be reused."""
-    if _ran_ready("send", tensor, dst, group, tag, group_dst):
-        return
+    g: Any = _world.world if group is None else group
+    if (p := _ready(g, "send", tensor, dst, tag, group_dst)) is not None:
+        try:  # ProcessGroup.run_ready for a send (neither numbered nor recorded)
+            done = p.go(tensor, None, 0)
+        except BaseException as e:
+            g.ready_rest("send", p, None, 0, -1, e)
+        if done is not None:  # None: the array is not the operation's (another dtype): the generic path
+            g.sent[dst] += 1  # counted for the group's closing check
+            if not done:
+                g.ready_rest("send", p, None, 0, -1, None)
+            return
     g, b, args = _send_args(tensor, dst, group, tag, group_dst, "send")
     fused = g.fused.get("send") if g.host else None
     if fused is not None:
@@ -136,8 +132,17 @@ def recv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
-    if _ran_ready("recv", tensor, src, group, tag, group_src):
-        return src  # type: ignore[return-value]  # an int: _ran_ready checked
+    g: Any = _world.world if group is None else group
+    if (p := _ready(g, "recv", tensor, src, tag, group_src)) is not None:
+        try:  # ProcessGroup.run_ready for a receive (neither numbered nor recorded)
+            done = p.go(None, tensor, 0)
+        except BaseException as e:
+            g.ready_rest("recv", p, tensor, 0, -1, e)
+        if done is not None:
+            g.received[src] += 1  # an int: _ready checked
+            if not done:
+                g.ready_rest("recv", p, tensor, 0, -1, None)
+            return src  # type: ignore[return-value]  # an int: _ready checked
     g, b, args, back = _recv_args(tensor, src, group, tag, group_src, "recv")
     peer = args[1]
     fused = g.fused.get("recv") if g.host and peer is not None else None

@@ -68,7 +68,8 @@ typedef struct {
     char *in, *out, *stage;
     Py_ssize_t stage_len;
     int spread;         /* out is the stage: spread into the root list at the end */
-    PyObject *held;     /* (inp, out) while running */
+    PyObject *held;     /* (inp, out) while running past the call that started it */
+    PyObject *cur_in, *cur_out; /* borrowed: the arguments of the go() under way (it holds them until it returns) */
     double block, spent;
     int bad_msg, bad_data; /* a mismatch found without the GIL: the message, and whether its data */
     count_t bad_got;
@@ -547,7 +548,7 @@ fits(Steps *self, PyObject *a, Py_ssize_t len, int out, PyObject *inp)
 }
 
 static int
-begin(Steps *self, PyObject *const *args, Py_ssize_t nargs)
+begin(Steps *self, PyObject *const *args, Py_ssize_t nargs, int hold)
 {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "Steps: go(inp, out, seq) and start(inp, out, seq) take 3 arguments");
@@ -578,14 +579,18 @@ begin(Steps *self, PyObject *const *args, Py_ssize_t nargs)
         memcpy(self->aside, self->in, (size_t)self->in_len);
         self->in = self->aside;
     }
-    if ((self->held = PyTuple_Pack(2, args[0], args[1])) == NULL)
+    self->cur_in = args[0];
+    self->cur_out = args[1];
+    if (hold && (self->held = PyTuple_Pack(2, args[0], args[1])) == NULL) /* go() holds them only if it must */
         return -1;
     self->seq = (uint32_t)seq;
     self->at = 0;
     self->state = RUNNING;
     int code = post(self);
     if (code) {
-        self->state = ABANDONED; /* some messages may be posted: MPI may use the arrays */
+        self->state = ABANDONED; /* some messages may be posted: MPI may use the arrays, held for good */
+        if (self->held == NULL)
+            self->held = PyTuple_Pack(2, args[0], args[1]);
         raise_mpi(code);
         return -1;
     }
@@ -598,7 +603,7 @@ complete(Steps *self)
 {
     int result = 0;
     if (self->spread) {
-        PyObject *list = PyTuple_GET_ITEM(self->held, 1);
+        PyObject *list = self->held != NULL ? PyTuple_GET_ITEM(self->held, 1) : self->cur_out;
         Py_ssize_t n = PyList_GET_SIZE(list), chunk = self->out_len / n;
         for (Py_ssize_t i = 0; i < n && result == 0; i++)
             result = copy_chunk(PyList_GET_ITEM(list, i), self->stage + i * chunk, chunk, 1);
@@ -614,6 +619,12 @@ complete(Steps *self)
 static PyObject *
 outcome(Steps *self, int code, int done)
 {
+    if ((code || !done) && self->held == NULL) { /* running on (or abandoned) past this call: hold the arrays */
+        if ((self->held = PyTuple_Pack(2, self->cur_in, self->cur_out)) == NULL) {
+            self->state = ABANDONED;
+            return NULL;
+        }
+    }
     if (code) {
         self->state = ABANDONED; /* MPI may still use the arrays: held for good */
         if (code == E_MISMATCH) {
@@ -641,7 +652,7 @@ Steps_go(Steps *self, PyObject *const *args, Py_ssize_t nargs)
     if (nargs == 3 && self->state == IDLE &&
         !(fits(self, args[0], self->in_len, 0, NULL) && fits(self, args[1], self->out_len, 1, args[0])))
         Py_RETURN_NONE; /* another call's arrays: nothing started */
-    if (begin(self, args, nargs) < 0)
+    if (begin(self, args, nargs, 0) < 0)
         return NULL;
     int code = 0, done = 0;
     self->spent = 0.0;
@@ -663,7 +674,7 @@ Steps_go(Steps *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 Steps_start(Steps *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (begin(self, args, nargs) < 0)
+    if (begin(self, args, nargs, 1) < 0)
         return NULL;
     self->spent = 0.0;
     Py_RETURN_NONE;
