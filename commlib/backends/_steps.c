@@ -75,6 +75,7 @@ typedef struct {
     count_t bad_got;
     int freed;          /* free() freed the persistent requests: the slots may go */
     int copy_in;        /* an input that overlaps the output is copied aside first (Plan.copy_in) */
+    int copied;         /* the step's early copies are done (or are land()'s to do) */
     char *aside;        /* there */
     Py_ssize_t aside_len;
 } Steps;
@@ -400,8 +401,8 @@ post(Steps *self)
             self->rest[self->nrest++] = 2 * m + 1;
         }
     }
-    for (int i = 0; st->direct && i < st->nearly && !code; i++) /* else once every message is here */
-        do_copy(self, &self->acts[st->act_at + i]);
+    self->copied = !st->direct; /* a step with large messages copies while they move (advance()); else once every
+                                 * message is here (land()) */
     return code;
 }
 
@@ -462,8 +463,16 @@ advance(Steps *self, int *done)
             char *req = ((r & 1) ? self->dreq : self->preq) + m * request_size;
             if ((code = mpi_test(req, &flag, self->status)))
                 return code;
-            if (!flag)
+            if (!flag) {
+                if (!self->copied) { /* the early copies, once the messages are under way (the peers' handshakes
+                                      * answered first: a large copy would hold them up) */
+                    step_t *st = &self->steps[self->at];
+                    for (int i = 0; i < st->nearly; i++)
+                        do_copy(self, &self->acts[st->act_at + i]);
+                    self->copied = 1;
+                }
                 return 0;
+            }
             self->rested++;
             msg_t *g = &self->msgs[m];
             step_t *st = &self->steps[self->at];
@@ -482,6 +491,11 @@ advance(Steps *self, int *done)
         if (self->nchecks)
             return 0;
         step_t *st = &self->steps[self->at];
+        if (!self->copied) { /* a step with large messages whose messages all went before its copies */
+            for (int i = 0; i < st->nearly; i++)
+                do_copy(self, &self->acts[st->act_at + i]);
+            self->copied = 1;
+        }
         land(self, st);
         for (int i = st->nearly; i < st->nearly + st->nafter; i++) {
             act_t *a = &self->acts[st->act_at + i];
