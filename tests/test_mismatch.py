@@ -243,10 +243,10 @@ def test_the_programs_that_ended_silently_now_fail(name: str, tmp_path: Path) ->
 
 
 def _table(n: int) -> str:
-    rows = ["| call | disagreement | bytes | outcome (rank: error) |", "| --- | --- | --- | --- |"]
+    rows = ["| call | disagreement | bytes | outcome (rank: error) | slowest (s) |", "| --- | --- | --- | --- | --- |"]
     for (kind, what, nbytes), ranks in _verdicts(n):
         cells = [f"{r}: {t or 'ok'}" for r, (t, _, _) in enumerate(ranks)]
-        rows.append(f"| {kind} | {what} | {nbytes} | {', '.join(cells)} |")
+        rows.append(f"| {kind} | {what} | {nbytes} | {', '.join(cells)} | {max(s for _, _, s in ranks):.2f} |")
     return "\n".join(rows)
 
 
