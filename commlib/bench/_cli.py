@@ -186,8 +186,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         sweep(ns.minbytes, ns.maxbytes, ns.stepfactor, ns.stepbytes)
     except ValueError as e:
         p.error(f"argument -i/--stepbytes: {e}")
-    if ns.op == "avg" and ns.datatype != "all" and DATATYPES[ns.datatype].kind in "iu":
-        p.error(f"argument -o/--op: avg is not defined for {ns.datatype} (commlib refuses AVG on integers)")
     if ns.nproc is not None and ns.root >= ns.nproc:
         p.error(f"argument -r/--root: {ns.root} is not a rank of {ns.nproc} (--nproc)")
     return ns

@@ -73,8 +73,9 @@ def _values(op: ReduceOp | None, dtype: np.dtype, seed: int, rank: int, nranks: 
     if op in (ReduceOp.PRODUCT, ReduceOp.AVG):
         a, b = _special_ranks(seed, nranks, start, count)
         special = (a == np.uint64(rank)) | (b == np.uint64(rank))
-        if op is ReduceOp.AVG:
-            return np.where(special, 1 + (bits % np.uint64(100)).astype(np.int64), 0)
+        if op is ReduceOp.AVG:  # two ranks' values summed stay in range (integer AVG sums in the dtype)
+            top = 100 if dtype.kind not in "iu" else min(100, int(np.iinfo(dtype).max) // 2)
+            return np.where(special, 1 + (bits % np.uint64(top)).astype(np.int64), 0)
         magnitude = np.where(special, 2 + (bits & np.uint64(1)).astype(np.int64), 1)
         negative = ((bits >> np.uint64(8)) & np.uint64(1)).astype(bool) & signed
         return np.where(negative, -magnitude, magnitude)
@@ -110,8 +111,8 @@ def reduced(op: ReduceOp, dtype: np.dtype, seed: int, nranks: int, start: int, c
             np.minimum(acc, v, out=acc)
         else:
             np.maximum(acc, v, out=acc)
-    if op is ReduceOp.AVG:
-        acc = acc / nranks
+    if op is ReduceOp.AVG:  # integers as NCCL divides them: the sum, truncated toward zero
+        acc = acc / nranks if dtype.kind not in "iu" else np.sign(acc) * (np.abs(acc) // nranks)
     return acc.astype(dtype)
 
 

@@ -1,4 +1,5 @@
-"""Rendezvous stores with torch.distributed's Store API: :class:`TCPStore`, :class:`FileStore`, :class:`PrefixStore`.
+"""Rendezvous stores with torch.distributed's Store API: :class:`TCPStore`, :class:`FileStore`, :class:`PrefixStore`,
+:class:`HashStore`.
 
 The package: ``_client`` (TCPStore, PrefixStore), ``_server`` (the selector thread that serves a
 TCPStore), ``_wire`` (frame encoding and validation), ``_file`` (FileStore), ``_base`` (the
@@ -37,5 +38,15 @@ from commlib.store._base import Store, StoreProtocolError, StoreTokenError
 from commlib.store._client import PrefixStore, TCPStore
 from commlib.store._file import FileStore
 from commlib.store._foreign import as_store
+from commlib.store._hash import HashStore
 
-__all__ = ["FileStore", "PrefixStore", "Store", "StoreProtocolError", "StoreTokenError", "TCPStore", "as_store"]
+__all__ = [
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
+    "Store",
+    "StoreProtocolError",
+    "StoreTokenError",
+    "TCPStore",
+    "as_store",
+]
