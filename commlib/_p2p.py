@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from commlib._collectives import in_place
+from commlib._diagnostics import monitor
 from commlib._group import ProcessGroup, Work
 from commlib._world import _state as _world
 from commlib._world import label, resolve
@@ -157,6 +158,27 @@ def recv(
         return work.source_rank()
     work.wait()
     return g.ranks[peer]
+
+
+def _waiting(call: str, arg: str, way: str) -> Any:
+    """For the job monitor (:data:`monitor.P2P_WAITS`): a blocking ``call``'s group and peer from its frame's locals."""
+
+    def describe(f: dict[str, Any]) -> tuple[Any, str, str] | None:
+        g, peer = f.get("g"), f.get(arg)
+        if not isinstance(g, ProcessGroup):
+            return None
+        if peer is None and (group_peer := f.get(f"group_{arg}")) is not None and 0 <= group_peer < g.size:
+            peer = g.ranks[group_peer]
+        return g, call, f"{call} {way} {'any rank' if peer is None else f'rank {peer}'}"
+
+    return describe
+
+
+monitor.P2P_WAITS[send.__code__] = _waiting("send", "dst", "to")
+monitor.P2P_WAITS[recv.__code__] = _waiting("recv", "src", "from")
+monitor.P2P_WAITS[Work.wait.__code__] = lambda f: (
+    (w.group, w.call, f"the wait for an {w.call}") if isinstance(w := f.get("self"), Work) and not w.ordered else None
+)
 
 
 class P2POp:

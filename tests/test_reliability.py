@@ -172,6 +172,34 @@ def test_timeout_names_ranks_that_did_not_arrive(backend: str, tmp_path: Path) -
         assert states == [("all_reduce", 1, "completed"), ("all_reduce", 2, "failed")], states
 
 
+def crossed_p2p_job(blocking: bool) -> str:
+    """Rank 1 receives from rank 0 (recv, or irecv then wait) while rank 0 is in an all_reduce: a program whose
+    ranks disagree; each timeout says where the other rank waits."""
+    import commlib as dist
+
+    x = np.ones(2, np.float32)
+    try:
+        if dist.get_rank() == 1:
+            if blocking:
+                dist.recv(x, 0)
+            else:
+                dist.irecv(x, 0).wait()
+        else:
+            dist.all_reduce(x)
+    except dist.CommTimeoutError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_timeout_names_the_send_or_receive_a_peer_waits_in(blocking: bool) -> None:
+    results = run(crossed_p2p_job, 2, blocking, timeout=60, env={"COMMLIB_TIMEOUT": "1.5"})
+    assert "all_reduce (call #1" in results[0], results[0]
+    waits = "recv from rank 0" if blocking else "the wait for an irecv"
+    assert f"not arrived: ranks [1] (rank 1 was last seen waiting in {waits})" in results[0], results[0]
+    assert "rank 0 was last seen waiting in all_reduce #1" in results[1], results[1]
+
+
 def monitored_late_job() -> str:
     import commlib as dist
 

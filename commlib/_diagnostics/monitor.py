@@ -8,7 +8,9 @@ the others over MPI once at initialisation (cost: well under a millisecond).
 Nothing is written on the hot path. A wait that has lasted more than 0.25 s
 (``backends.base.poll``'s slow path) publishes ``rank r waiting in <op> #seq``
 once, and then every half second checks whether a rank has reported a failure; a rank
-whose exception is uncaught reports it before MPI_Abort ends the job. On a
+whose exception is uncaught reports it before MPI_Abort ends the job. A blocking send or
+receive is not numbered: a long one publishes ``rank r waiting in recv from rank p`` (found
+on the slow path from the waiting call's frame, :data:`P2P_WAITS`; nothing on the fast path). On a
 timeout the waiting rank reads every rank's progress to say who arrived.
 ``COMMLIB_MONITOR=0`` turns all of this off.
 """
@@ -56,6 +58,11 @@ class _State:
 
 
 _state = _State()
+
+#: The code objects of the calls that wait for one peer (the group layer's ``send``, ``recv`` and ``Work.wait``
+#: register theirs) -> a function of that frame's locals giving (group, call, its description) or None. A long
+#: wait finds the one it is in by walking up its frames: the fast path writes nothing.
+P2P_WAITS: dict[Any, Callable[[dict[str, Any]], tuple[Any, str, str] | None]] = {}
 
 
 def setup(backend: Any, timeout: float, store: Any = None) -> None:
@@ -174,8 +181,12 @@ def watchdog(waited: float, what: str | None = None) -> None:
     failure. ``what``: the waiting operation's own description (the backend's), published with the call."""
     if _state.dead is not None or _state.failure_raised:
         return
-    running = _flight.waiting()
-    if running is not None and running[0].rank >= 0:
+    p2p = _p2p_waiting() if P2P_WAITS else None
+    if p2p is not None:
+        g, call, text = p2p
+        if g.rank >= 0:
+            _call("set", _progress_key(g, g.rank), f"0 {call}\t{text}")  # every time: not numbered, not deduplicated
+    elif (running := _flight.waiting()) is not None and running[0].rank >= 0:
         _publish(*running, what)
         if what is not None and waited >= 0.5:  # every rank waits in call #seq: are they all the same call?
             _compare(*running, what)
@@ -184,7 +195,9 @@ def watchdog(waited: float, what: str | None = None) -> None:
         return
     _state.failure_raised = True
     where = ""
-    if running is not None:
+    if p2p is not None:
+        where = f"{p2p[0].label}{p2p[2]} (on group {p2p[0].name!r}): "
+    elif (running := _flight.waiting()) is not None:
         g, call, seq = running
         where = f"{g.label}{call} (call #{seq} on group {g.name!r}): "
     err = GroupBrokenError(
@@ -193,6 +206,26 @@ def watchdog(waited: float, what: str | None = None) -> None:
     )
     err.commlib_peer_failure = True  # type: ignore[attr-defined]
     raise err
+
+
+def _p2p_waiting() -> tuple[Any, str, str] | None:
+    """(group, call, description) of the send or receive this thread waits in, from its frames (the outermost:
+    ``recv`` rather than the ``Work.wait`` it runs); else None."""
+    frame: Any = sys._getframe(2)
+    found = None
+    for _ in range(40):
+        if frame is None:
+            break
+        describe = P2P_WAITS.get(frame.f_code)
+        if describe is not None:
+            found = describe(frame.f_locals) or found
+        frame = frame.f_back
+    return found
+
+
+def _seen(s: tuple[int, str, str | None]) -> str:
+    """A rank's published progress in words: ``all_reduce #3``, or a send's or receive's description."""
+    return (s[2] or s[1]) if s[0] == 0 else f"{s[1]} #{s[0]}"
 
 
 def _compare(g: Any, call: str, seq: int, what: str) -> None:
@@ -223,7 +256,9 @@ def arrival(g: Any, call: str, seq: int, timeout: float) -> tuple[str, bool]:
         return "", False
     if seq == 0:  # a send or a receive (not numbered): where the others are
         places = [
-            f"rank {g.ranks[p]} is in {s[1]} #{s[0]}" for p in range(g.size) if p != g.rank and (s := _progress(g, p))
+            f"rank {g.ranks[p]} was last seen waiting in {_seen(s)}"
+            for p in range(g.size)
+            if p != g.rank and (s := _progress(g, p))
         ]
         return (f" ({'; '.join(places)})" if places else ""), False
     _publish(g, call, seq)
@@ -244,7 +279,7 @@ def arrival(g: Any, call: str, seq: int, timeout: float) -> tuple[str, bool]:
         rank = g.ranks[p]
         if s is None or s[0] < seq:
             missing.append(rank)
-            seen_at = "never reported waiting" if s is None else f"was last seen waiting in {s[1]} #{s[0]}"
+            seen_at = "never reported waiting" if s is None else f"was last seen waiting in {_seen(s)}"
             notes.append(f"rank {rank} {seen_at}")
         elif s[0] == seq and (s[1] != call or (mine is not None and s[2] is not None and s[2] != mine)):
             other[rank] = s[2] or f"{s[1]} #{s[0]}"  # the same call number, another call: a mismatched program
