@@ -64,8 +64,10 @@ for nbytes in (8, 64 << 10, 4 << 20):
         dist.recv(m, 0)
     same(f"send/recv {nbytes}", m, np.full(k, 0 if r < 2 else r, np.float32))
 b = _state.world.backend
-print(json.dumps({"rank": r, "wrong": wrong, "native": b.agreed["native"], "mine": b.__class__.__module__,
-                  "small": b.small, "piece": b.piece}), flush=True)
+row = {"rank": r, "wrong": wrong, "native": b.agreed["native"], "mine": b.__class__.__module__, "small": b.small,
+       "piece": b.piece}
+sys.stdout.write(json.dumps(row) + "\\n")  # one write: print's two can interleave with the other rank's line
+sys.stdout.flush()
 dist.destroy_process_group()
 """
 
@@ -85,7 +87,13 @@ def _run(script: Path, envs: list[dict[str, str]]) -> subprocess.CompletedProces
 
 
 def _reports(out: str) -> dict[int, dict]:
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    """Every rank's JSON row; mpiexec may still join two ranks' lines, so objects are read one after another."""
+    rows, decoder = [], json.JSONDecoder()
+    for line in out.splitlines():
+        at = 0
+        while line.startswith("{", at):
+            row, at = decoder.raw_decode(line, at)
+            rows.append(row)
     return {row["rank"]: row for row in rows}
 
 
