@@ -243,7 +243,9 @@ def _check_at_exit() -> None:
 
 
 def _close_at_exit() -> None:
-    if _state.world is None:
+    from commlib._diagnostics import monitor
+
+    if _state.world is None or monitor.raised_uncaught():  # an uncaught exception is the report: none on top
         return
     error = _close_all()
     if error is None:

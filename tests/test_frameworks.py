@@ -36,11 +36,30 @@ def results(job: Finished) -> list[dict]:
     return found
 
 
+# gloo, the reference, now and then aborts in its own teardown, after the job printed its results (about 1 run
+# in 8 of the Accelerate example here: a std::thread still joinable in destroy_process_group, SIGABRT). Its
+# run is then repeated (at most twice); commlib's runs never are.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def reference(cmd: list[str], tmp_path: Path, snapshot: Path | None = None) -> Finished:
+    """The gloo run of ``cmd``, run again when gloo aborted in its teardown (and only then); ``snapshot``, a file
+    the job writes, is removed before each run (a new run starts from scratch)."""
+    for attempt in range(3):
+        if snapshot is not None:
+            snapshot.unlink(missing_ok=True)
+        job = run_job(cmd, DEADLINE, clean_env(), cwd=tmp_path)
+        if job.returncode == 0 or GLOO_TEARDOWN_ABORT not in job.stderr or "RESULT " not in job.stdout or attempt == 2:
+            return job
+        print(f"\ngloo aborted in its teardown (SIGABRT after its results): running it again\n{job.stderr[-600:]}")
+    raise AssertionError("unreachable")
+
+
 def both(cmd: list[str], tmp_path: Path) -> dict[str, dict]:
     """``cmd --backend B`` for gloo, then commlib, one after the other: their results by backend."""
-    return {
-        b: results(run_job([*cmd, "--backend", b], DEADLINE, clean_env(), cwd=tmp_path))[0] for b in ("gloo", "commlib")
-    }
+    gloo = results(reference([*cmd, "--backend", "gloo"], tmp_path))[0]
+    ours = results(run_job([*cmd, "--backend", "commlib"], DEADLINE, clean_env(), cwd=tmp_path))[0]
+    return {"gloo": gloo, "commlib": ours}
 
 
 def report(name: str, cmd: list[str], runs: dict[str, dict]) -> None:
@@ -102,7 +121,7 @@ def test_torchrun_restarts_after_a_worker_is_killed(tmp_path: Path) -> None:
     gloo runs the job uninterrupted (gloo itself can hang on a restart: stale rendezvous addresses)."""
     script = str(EXAMPLES / "torchrun_restarts.py")
     gloo_cmd = [*TORCHRUN, script, "--snapshot", str(tmp_path / "gloo.pt"), "--backend", "gloo"]
-    gloo = results(run_job(gloo_cmd, DEADLINE, clean_env(), cwd=tmp_path))[0]
+    gloo = results(reference(gloo_cmd, tmp_path, tmp_path / "gloo.pt"))[0]
     restarts = [*TORCHRUN, "--max-restarts", "2", script, "--snapshot", str(tmp_path / "commlib.pt")]
     killed = run_job(
         [*restarts, "--kill-after-epoch", "1", "--backend", "commlib"], DEADLINE, clean_env(), cwd=tmp_path

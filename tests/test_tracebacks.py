@@ -65,6 +65,46 @@ def test_commlib_launch_prints_the_traceback_and_names_the_rank(tmp_path: Path) 
     assert job.returncode != 0, job.tail()
     _told_once(job.stdout + job.stderr)
     assert "commlib.launch: rank 1 failed (exit code 1: ValueError: boom on rank 1)" in job.stderr, job.tail()
+    # Rank 1's last flight record is its exception: no closing check ran after MPI_Abort (which returns under hydra).
+    assert "  rank 1: no collective recorded (uncaught ValueError: boom on rank 1)" in job.stderr, job.tail()
+
+
+ABORT_RETURNS = """
+import atexit, fcntl, struct, sys, termios
+from commlib._diagnostics import monitor
+
+atexit.register(lambda: print("the exit handlers ran", flush=True))
+print("x" * 20000, flush=True)  # more than the reader has read when the exception is raised
+
+
+def abort():  # as MPICH's MPI_Abort under hydra: it returns (hydra kills the job a moment later)
+    unread = struct.unpack("i", fcntl.ioctl(1, termios.FIONREAD, b"\\0" * 4))[0]
+    sys.stderr.write(f"abort called, {unread} bytes of stdout unread\\n")
+    sys.stderr.flush()
+
+
+monitor.install_excepthook(abort)
+raise ValueError("boom")
+"""
+
+
+def test_the_job_ends_at_the_abort_once_its_output_was_read(tmp_path: Path) -> None:
+    """The rank that raised aborts once its launcher has read its output (hydra drops what is still in the pipe
+    when it handles an abort), and runs no Python after the abort, which may return."""
+    import subprocess
+    import time
+
+    script = tmp_path / "abort_returns.py"
+    script.write_text(ABORT_RETURNS)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(0.5)  # a slow reader: the rank must wait for it
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, (out, err)
+    assert "abort called, 0 bytes of stdout unread" in err, err
+    assert err.count("ValueError: boom") == 1, err
+    assert "the exit handlers ran" not in out, out
 
 
 LIGHTNING_SCRIPT = """

@@ -24,14 +24,14 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from commlib._diagnostics import flight as _flight
 from commlib.errors import CollectiveMismatchError, CommError, GroupBrokenError
 
-__all__ = ["arrival", "report_uncaught", "setup", "watchdog"]
+__all__ = ["arrival", "raised_uncaught", "report_uncaught", "setup", "watchdog"]
 
 _PREFIX = "commlib/mon"
 _FAILED = f"{_PREFIX}/failed"
@@ -40,6 +40,7 @@ _STORE_TIMEOUT = 1.0  # the store is an aid: a slow or vanished store must not s
 _GRACE = 1.0  # after a timeout, how long (at most a quarter of the timeout) late ranks get to publish
 _ACK_WAIT = 2.0  # how long a failed rank waits for the others to report, before MPI_Abort
 _EXIT_WAIT = 3.0  # after a hook that wraps commlib's: how long the interpreter gets to exit before MPI_Abort
+_DRAIN_WAIT = 1.0  # before MPI_Abort: how long the launcher gets to read what this rank wrote
 _MISSING = "\x00missing"
 _PAYLOAD = 256
 
@@ -54,6 +55,7 @@ class _State:
         self.published: set[tuple[str, int, bool]] = set()
         self.mine: dict[tuple[str, int], str] = {}  # (group, seq) -> this rank's call in its stamps' words
         self.failure_raised = False
+        self.uncaught = False  # this rank's excepthook reported an uncaught exception
         self.hook: Any = None  # the current world's excepthook (an earlier world's, still in torch's chain, passes)
 
 
@@ -312,6 +314,11 @@ def _progress(g: Any, p: int) -> tuple[int, str, str | None] | None:
     return (int(seq), call, what or None) if seq.isdigit() else None
 
 
+def raised_uncaught() -> bool:
+    """Whether commlib's excepthook reported an uncaught exception on this rank (the program did not end well)."""
+    return _state.uncaught
+
+
 def install_excepthook(abort: Callable[[], None] | None) -> None:
     """An uncaught exception on one rank ends the whole job at once instead of leaving the others waiting.
 
@@ -338,10 +345,11 @@ def install_excepthook(abort: Callable[[], None] | None) -> None:
             sys.stderr.flush()
         with contextlib.suppress(BaseException):  # the job must end whatever happens
             report_uncaught(kind, value)
+        _state.uncaught = True  # the program's end skips its closing checks: this error is the report
         if abort is None:
             return
         if sys.excepthook is hook:
-            abort()
+            _end_job(abort)
         else:  # a hook installed later called this one (torch's); it writes what we printed once we return
             _abort_after_hooks(abort)
 
@@ -366,12 +374,45 @@ def _abort_after_hooks(abort: Callable[[], None]) -> None:
 
     def end() -> None:
         if once.acquire(blocking=False):
-            abort()
+            _end_job(abort)
 
     atexit.register(end)
     timer = threading.Timer(_EXIT_WAIT, end)
     timer.daemon = True
     timer.start()
+
+
+def _end_job(abort: Callable[[], None]) -> NoReturn:
+    """``abort()`` the job once what this rank wrote has left its output pipes, and run no more Python after.
+
+    hydra stops forwarding a rank's output the moment it handles that rank's MPI_Abort, so lines still
+    in the pipe (a traceback torch's hook wrote a millisecond earlier) would be lost. And MPICH's
+    MPI_Abort returns under hydra (the job is killed a moment later): carrying on would run the
+    program's exit handlers, the closing checks among them, against ranks that are going away.
+    """
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _drain_output(_DRAIN_WAIT)
+    try:
+        abort()
+    finally:
+        os._exit(1)
+
+
+def _drain_output(seconds: float) -> None:
+    """Wait (at most ``seconds``) until the reader of this process's stdout and stderr pipes has read them."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+
+    pipes = [fd for fd in (1, 2) if stat.S_ISFIFO(os.fstat(fd).st_mode)]
+    deadline = time.monotonic() + seconds
+    while pipes and time.monotonic() < deadline:
+        pipes = [fd for fd in pipes if struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] > 0]
+        if pipes:
+            time.sleep(0.005)
 
 
 def report_uncaught(kind: type[BaseException], value: BaseException) -> None:

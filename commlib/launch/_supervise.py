@@ -18,9 +18,11 @@ from commlib.launch._mpiexec import kill_group_or_process, pid_alive, send_signa
 __all__ = ["supervise"]
 
 _GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the other workers when one fails
-# After a worker raised, how long the others get to fail by themselves (they learn who failed through
-# the job store within ~1 s, and the failed rank then ends the job with MPI_Abort) before SIGTERM.
-_SETTLE = 4.0
+# After a worker raised, how long the others get to fail by themselves before SIGTERM: they learn who failed
+# through the job store within ~1 s, and the failed rank ends the job with MPI_Abort once they said so (up to
+# 2 s), its output has been read (up to 1 s) and, under torch's hook, the interpreter has exited (up to 3 s).
+# A SIGTERM earlier would cut off the tracebacks still on their way.
+_SETTLE = 8.0
 _DUMP_WAIT = 0.5  # how long the workers get to write their flight recorder dumps after SIGUSR1
 
 
