@@ -161,15 +161,22 @@ def recv(
 
 
 def _waiting(call: str, arg: str, way: str) -> Any:
-    """For the job monitor (:data:`monitor.P2P_WAITS`): a blocking ``call``'s group and peer from its frame's locals."""
+    """For the job monitor (:data:`monitor.P2P_WAITS`): a blocking ``call``'s group and peer from its frame's
+    locals, and the peer's group rank once the call has been counted (for the monitor's early verdict)."""
 
-    def describe(f: dict[str, Any]) -> tuple[Any, str, str] | None:
+    def describe(f: dict[str, Any]) -> tuple[Any, str, str, tuple[str, int] | None] | None:
         g, peer = f.get("g"), f.get(arg)
         if not isinstance(g, ProcessGroup):
             return None
-        if peer is None and (group_peer := f.get(f"group_{arg}")) is not None and 0 <= group_peer < g.size:
+        group_peer = f.get(f"group_{arg}")
+        if peer is None and group_peer is not None and 0 <= group_peer < g.size:
             peer = g.ranks[group_peer]
-        return g, call, f"{call} {way} {'any rank' if peer is None else f'rank {peer}'}"
+        elif peer is not None and group_peer is None:
+            group_peer = g.ranks.index(peer) if peer in g.ranks else None
+        text = f"{call} {way} {'any rank' if peer is None else f'rank {peer}'}"
+        counted = "args" in f or "done" in f  # past _send_args/_recv_args, or the ready path's count
+        link = (call, group_peer) if counted and isinstance(group_peer, int) and group_peer != g.rank else None
+        return g, call, text, link
 
     return describe
 
@@ -177,7 +184,9 @@ def _waiting(call: str, arg: str, way: str) -> Any:
 monitor.P2P_WAITS[send.__code__] = _waiting("send", "dst", "to")
 monitor.P2P_WAITS[recv.__code__] = _waiting("recv", "src", "from")
 monitor.P2P_WAITS[Work.wait.__code__] = lambda f: (
-    (w.group, w.call, f"the wait for an {w.call}") if isinstance(w := f.get("self"), Work) and not w.ordered else None
+    (w.group, w.call, f"the wait for an {w.call}", None)
+    if isinstance(w := f.get("self"), Work) and not w.ordered
+    else None
 )
 
 

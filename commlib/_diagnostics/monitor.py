@@ -43,6 +43,7 @@ _EXIT_WAIT = 3.0  # after a hook that wraps commlib's: how long the interpreter 
 _DRAIN_WAIT = 1.0  # before MPI_Abort: how long the launcher gets to read what this rank wrote
 _MISSING = "\x00missing"
 _PAYLOAD = 256
+_COUNTS_MAX = 4096  # the longest list of posted sends and receives a rank publishes with its call
 
 
 class _State:
@@ -52,7 +53,8 @@ class _State:
         self.dead: str | None = None  # why the store is not used any more
         self.server: Any = None  # the StoreServer when this process serves it (world rank 0)
         self.rank, self.size = 0, 1
-        self.published: set[tuple[str, int, bool]] = set()
+        self.published: dict[str, str] = {}  # progress key -> the value this rank last wrote there
+        self.worlds = 0  # worlds made by this process: the progress keys of an earlier one are never read
         self.mine: dict[tuple[str, int], str] = {}  # (group, seq) -> this rank's call in its stamps' words
         self.failure_raised = False
         self.uncaught = False  # this rank's excepthook reported an uncaught exception
@@ -62,9 +64,10 @@ class _State:
 _state = _State()
 
 #: The code objects of the calls that wait for one peer (the group layer's ``send``, ``recv`` and ``Work.wait``
-#: register theirs) -> a function of that frame's locals giving (group, call, its description) or None. A long
-#: wait finds the one it is in by walking up its frames: the fast path writes nothing.
-P2P_WAITS: dict[Any, Callable[[dict[str, Any]], tuple[Any, str, str] | None]] = {}
+#: register theirs) -> a function of that frame's locals giving (group, call, its description, ("send" or "recv",
+#: the peer's group rank) once the call is counted, else None) or None. A long wait finds the one it is in by
+#: walking up its frames: the fast path writes nothing.
+P2P_WAITS: dict[Any, Callable[[dict[str, Any]], tuple[Any, str, str, tuple[str, int] | None] | None]] = {}
 
 
 def setup(backend: Any, timeout: float, store: Any = None) -> None:
@@ -74,6 +77,8 @@ def setup(backend: Any, timeout: float, store: Any = None) -> None:
 
     _state.rank, _state.size = backend.rank, backend.size
     _state.published.clear()
+    _state.mine.clear()
+    _state.worlds += 1
     _state.failure_raised = False
     job = os.environ.get("COMMLIB_JOB_ID", "")
     if os.environ.get("COMMLIB_MONITOR", "1") == "0" or backend.size == 1:
@@ -164,18 +169,42 @@ def _call(method: str, *args: Any) -> Any:
 
 
 def _progress_key(g: Any, group_rank: int) -> str:
-    return f"{_PREFIX}/progress/{g.name}/{group_rank}"
+    return f"{_PREFIX}/progress/{_state.worlds}/{g.name}/{group_rank}"
+
+
+def _counts(g: Any) -> str:
+    """The sends and receives this rank has posted on ``g``, by peer: ``s1:3,2:1;r0:2;a0`` (the ones not
+    zero; ``a``: receives from any rank). A peer blocked in a send or receive reads them (:func:`_unmatched`)."""
+    sent = ",".join(f"{p}:{n}" for p, n in enumerate(g.sent) if n)
+    received = ",".join(f"{p}:{n}" for p, n in enumerate(g.received) if n)
+    text = f"s{sent};r{received};a{g.any_received}"
+    return text if len(text) <= _COUNTS_MAX else ""  # a huge group with many peers: no early verdict
+
+
+def _pairs(text: str) -> dict[int, int]:
+    return {int(p): int(n) for p, n in (x.split(":") for x in text.split(",") if x)}
+
+
+def _parse_counts(text: str) -> tuple[dict[int, int], dict[int, int], int] | None:
+    parts = text.split(";")
+    if len(parts) != 3 or parts[0][:1] != "s" or parts[1][:1] != "r" or parts[2][:1] != "a":
+        return None
+    try:
+        sent, received = (_pairs(part[1:]) for part in parts[:2])
+        return sent, received, int(parts[2][1:])
+    except ValueError:
+        return None
 
 
 def _publish(g: Any, call: str, seq: int, what: str | None = None) -> None:
     """Tell the others this rank waits in call #``seq`` (``what``: the call in the words of its stamps)."""
     if what is not None:
-        _state.mine[(g.name, seq)] = what
-    elif (g.name, seq) in _state.mine:  # said already, in more words: keep them
-        return
-    if (g.name, seq, what is None) not in _state.published:
-        _state.published.add((g.name, seq, what is None))
-        _call("set", _progress_key(g, g.rank), f"{seq} {call}" + ("" if what is None else f"\t{what}"))
+        _state.mine[(g.name, seq)] = what  # said once in these words, kept when a later call says fewer
+    key = _progress_key(g, g.rank)
+    value = f"{seq} {call}\t{_state.mine.get((g.name, seq), '')}\t{_counts(g)}"
+    if _state.published.get(key) != value:  # once per call (again if its sends and receives changed)
+        _state.published[key] = value
+        _call("set", key, value)
 
 
 def watchdog(waited: float, what: str | None = None) -> None:
@@ -185,9 +214,13 @@ def watchdog(waited: float, what: str | None = None) -> None:
         return
     p2p = _p2p_waiting() if P2P_WAITS else None
     if p2p is not None:
-        g, call, text = p2p
+        g, call, text, link = p2p
         if g.rank >= 0:
-            _call("set", _progress_key(g, g.rank), f"0 {call}\t{text}")  # every time: not numbered, not deduplicated
+            key = _progress_key(g, g.rank)
+            _state.published[key] = f"0 {call}\t{text}"
+            _call("set", key, _state.published[key])  # every time: not numbered, not deduplicated
+            if link is not None and waited >= 0.5:
+                _unmatched(g, call, text, *link)
     elif (running := _flight.waiting()) is not None and running[0].rank >= 0:
         _publish(*running, what)
         if what is not None and waited >= 0.5:  # every rank waits in call #seq: are they all the same call?
@@ -210,9 +243,10 @@ def watchdog(waited: float, what: str | None = None) -> None:
     raise err
 
 
-def _p2p_waiting() -> tuple[Any, str, str] | None:
-    """(group, call, description) of the send or receive this thread waits in, from its frames (the outermost:
-    ``recv`` rather than the ``Work.wait`` it runs); else None."""
+def _p2p_waiting() -> tuple[Any, str, str, tuple[str, int] | None] | None:
+    """(group, call, description, (``"send"`` or ``"recv"``, the peer's group rank) or None when not known) of the
+    send or receive this thread waits in, from its frames (the outermost: ``recv`` rather than the ``Work.wait``
+    it runs); else None."""
     frame: Any = sys._getframe(2)
     found = None
     for _ in range(40):
@@ -225,7 +259,42 @@ def _p2p_waiting() -> tuple[Any, str, str] | None:
     return found
 
 
-def _seen(s: tuple[int, str, str | None]) -> str:
+def _unmatched(g: Any, call: str, text: str, kind: str, q: int) -> None:
+    """A blocking send to (or receive from) group rank ``q`` that has waited 0.5 s: when ``q`` waits in a collective
+    of ``g`` that this rank has not reached, having posted fewer receives from (sends to) this rank than this
+    rank's sends to (receives from) it, neither call can ever complete: raise ``CollectiveMismatchError`` now,
+    naming both, instead of at the timeout.
+
+    Sound whatever the timing: ``q`` cannot leave collective #k before this rank makes it, and while it waits
+    there it posts nothing (its counts were published with the call, again whenever they changed).
+    """
+    s = _progress(g, q)
+    if s is None or s[0] <= g.seq or s[3] is None:
+        return  # q is not in a collective this rank has still to make (or did not say)
+    counts = _parse_counts(s[3])
+    if counts is None:
+        return
+    sent, received, anywhere = counts
+    if kind == "send":
+        posted, needed = received.get(g.rank, 0) + anywhere, g.sent[q]
+        theirs = f"posted {received.get(g.rank, 0)} receives from this rank" + (
+            f" and {anywhere} from any rank" if anywhere else ""
+        )
+        mine = f"this is this rank's send #{needed} to it"
+    else:
+        posted, needed = sent.get(g.rank, 0), g.received[q]
+        theirs, mine = f"posted {posted} sends to this rank", f"this is this rank's receive #{needed} from it"
+    if posted >= needed:
+        return  # it may still match: q's posted operation completes while q waits
+    raise CollectiveMismatchError(
+        f"{g.what(text, 0)}: the ranks are not making matching calls: "
+        f"rank {g.ranks[q]} waits in {s[2] or f'{s[1]} #{s[0]}'}, which this rank has not reached "
+        f"(it made {g.seq} collective calls on the group), and has {theirs} ({mine}): neither call can complete; "
+        "the group is now unusable" + g.dumped(f"mismatch in {call}")
+    )
+
+
+def _seen(s: tuple[int, str, str | None, str | None]) -> str:
     """A rank's published progress in words: ``all_reduce #3``, or a send's or receive's description."""
     return (s[2] or s[1]) if s[0] == 0 else f"{s[1]} #{s[0]}"
 
@@ -305,13 +374,16 @@ def arrival(g: Any, call: str, seq: int, timeout: float) -> tuple[str, bool]:
     return text + (f" ({'; '.join(notes)})" if notes else ""), False
 
 
-def _progress(g: Any, p: int) -> tuple[int, str, str | None] | None:
+def _progress(g: Any, p: int) -> tuple[int, str, str | None, str | None] | None:
+    """Group rank ``p``'s published progress on ``g``: (call number, 0 for a send or receive; the call; the call in
+    its stamps' words, or a send's or receive's description; its posted sends and receives, see :func:`_counts`)."""
     raw = _call("compare_set", _progress_key(g, p), _MISSING, _MISSING)
     if raw is None or raw.decode(errors="replace") == _MISSING:
         return None
-    head, _, what = raw.decode(errors="replace").partition("\t")
+    head, _, rest = raw.decode(errors="replace").partition("\t")
+    what, _, counts = rest.partition("\t")
     seq, _, call = head.partition(" ")
-    return (int(seq), call, what or None) if seq.isdigit() else None
+    return (int(seq), call, what or None, counts or None) if seq.isdigit() else None
 
 
 def raised_uncaught() -> bool:
