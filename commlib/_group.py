@@ -61,6 +61,7 @@ class ProcessGroup:
         "seq",
         "size",
         "sums",
+        "tagged",
         "timeout",
         "xp",
     )
@@ -78,6 +79,7 @@ class ProcessGroup:
         self.seq = 0  # collectives issued so far: their numbers, in messages, stamps and errors
         # point-to-point messages to and from each group rank (and received from any rank), for close()
         self.sent, self.received, self.any_received = [0] * self.size, [0] * self.size, 0
+        self.tagged = False  # a send or receive with a tag other than 0 was posted: the counts say less (monitor)
         self.pending: collections.deque[Work] = collections.deque()
         self.broken: BaseException | None = None
         # What the backend declares, read once (the hot path reads attributes, not the backend).
@@ -455,7 +457,7 @@ class Work:
     Work is not ordered with collectives (like gloo, unlike one NCCL stream).
     """
 
-    __slots__ = ("call", "done", "group", "handle", "ordered", "receive", "seq", "slot")
+    __slots__ = ("call", "done", "group", "handle", "index", "ordered", "peer", "receive", "seq", "slot")
 
     def __init__(
         self,
@@ -466,6 +468,8 @@ class Work:
         ordered: bool = True,
         slot: int = -1,
         receive: bool = False,
+        peer: int = -1,
+        index: int = 0,
     ) -> None:
         self.group = group
         self.handle = handle
@@ -475,6 +479,8 @@ class Work:
         self.slot = slot  # the flight recorder's slot of a collective (-1: point-to-point)
         self.receive = receive  # a receive's handle knows its sender (``source``)
         self.done = False
+        self.peer = peer  # an isend's or irecv's peer (group rank; -1: any rank, or not point-to-point)
+        self.index = index  # ... and which of this rank's sends to (receives from) it this one is (1: the first)
 
     def __repr__(self) -> str:
         state = "completed" if self.done else "pending"

@@ -43,6 +43,8 @@ def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
     limit = b.max_tag
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= limit:
         raise ValueError(f"{g.label}{call}: tag must be an int in [0, {limit}], got {tag!r}")
+    if tag:
+        g.tagged = True  # messages of different tags may overtake: the monitor's counts no longer tell a match
     return tag
 
 
@@ -94,7 +96,8 @@ def isend(
 ) -> Work:
     """Start sending ``tensor`` to global rank ``dst``; keep ``tensor`` unchanged until the Work completes."""
     g, b, args = _send_args(tensor, dst, group, tag, group_dst, "isend")
-    return Work(g, b.send(*args), "isend", 0, ordered=False)
+    peer = args[1]
+    return Work(g, b.send(*args), "isend", 0, ordered=False, peer=peer, index=g.sent[peer])
 
 
 def irecv(
@@ -103,7 +106,11 @@ def irecv(
     """Start receiving into ``tensor`` from global rank ``src`` (None: any rank); returns a Work."""
     g, b, args, back = _recv_args(tensor, src, group, tag, group_src, "irecv")
     handle = b.recv(*args)
-    return Work(g, handle if back is None else Chained(handle, back), "irecv", 0, ordered=False, receive=True)
+    peer = -1 if args[1] is None else args[1]
+    return Work(
+        g, handle if back is None else Chained(handle, back), "irecv", 0, ordered=False, receive=True, peer=peer,
+        index=g.received[peer] if peer >= 0 else 0,
+    )  # fmt: skip
 
 
 def send(
@@ -164,7 +171,7 @@ def _waiting(call: str, arg: str, way: str) -> Any:
     """For the job monitor (:data:`monitor.P2P_WAITS`): a blocking ``call``'s group and peer from its frame's
     locals, and the peer's group rank once the call has been counted (for the monitor's early verdict)."""
 
-    def describe(f: dict[str, Any]) -> tuple[Any, str, str, tuple[str, int] | None] | None:
+    def describe(f: dict[str, Any]) -> tuple[Any, str, str, tuple[str, int, int] | None] | None:
         g, peer = f.get("g"), f.get(arg)
         if not isinstance(g, ProcessGroup):
             return None
@@ -175,19 +182,30 @@ def _waiting(call: str, arg: str, way: str) -> Any:
             group_peer = g.ranks.index(peer) if peer in g.ranks else None
         text = f"{call} {way} {'any rank' if peer is None else f'rank {peer}'}"
         counted = "args" in f or "done" in f  # past _send_args/_recv_args, or the ready path's count
-        link = (call, group_peer) if counted and isinstance(group_peer, int) and group_peer != g.rank else None
-        return g, call, text, link
+        if not counted or not isinstance(group_peer, int) or not 0 <= group_peer < g.size or group_peer == g.rank:
+            return g, call, text, None
+        index = (g.sent if call == "send" else g.received)[group_peer]  # a blocking call: the last one posted
+        return g, call, text, (call, group_peer, index)
 
     return describe
 
 
+def _waiting_work(f: dict[str, Any]) -> tuple[Any, str, str, tuple[str, int, int] | None] | None:
+    """For the job monitor: the isend or irecv a ``Work.wait`` waits for (its group, peer and index)."""
+    w = f.get("self")
+    if not isinstance(w, Work) or w.ordered:
+        return None
+    g, peer = w.group, w.peer
+    if peer < 0:
+        return g, w.call, f"the wait for an {w.call}" + (" from any rank" if w.call == "irecv" else ""), None
+    way = "to" if w.call == "isend" else "from"
+    link = ("send" if w.call == "isend" else "recv", peer, w.index)
+    return g, w.call, f"the wait for an {w.call} {way} rank {g.ranks[peer]}", link
+
+
 monitor.P2P_WAITS[send.__code__] = _waiting("send", "dst", "to")
 monitor.P2P_WAITS[recv.__code__] = _waiting("recv", "src", "from")
-monitor.P2P_WAITS[Work.wait.__code__] = lambda f: (
-    (w.group, w.call, f"the wait for an {w.call}", None)
-    if isinstance(w := f.get("self"), Work) and not w.ordered
-    else None
-)
+monitor.P2P_WAITS[Work.wait.__code__] = _waiting_work
 
 
 class P2POp:

@@ -65,9 +65,10 @@ _state = _State()
 
 #: The code objects of the calls that wait for one peer (the group layer's ``send``, ``recv`` and ``Work.wait``
 #: register theirs) -> a function of that frame's locals giving (group, call, its description, ("send" or "recv",
-#: the peer's group rank) once the call is counted, else None) or None. A long wait finds the one it is in by
+#: the peer's group rank, the call's index among this rank's sends to or receives from it) once the call is
+#: counted, else None) or None. A long wait finds the one it is in by
 #: walking up its frames: the fast path writes nothing.
-P2P_WAITS: dict[Any, Callable[[dict[str, Any]], tuple[Any, str, str, tuple[str, int] | None] | None]] = {}
+P2P_WAITS: dict[Any, Callable[[dict[str, Any]], tuple[Any, str, str, tuple[str, int, int] | None] | None]] = {}
 
 
 def setup(backend: Any, timeout: float, store: Any = None) -> None:
@@ -175,6 +176,8 @@ def _progress_key(g: Any, group_rank: int) -> str:
 def _counts(g: Any) -> str:
     """The sends and receives this rank has posted on ``g``, by peer: ``s1:3,2:1;r0:2;a0`` (the ones not
     zero; ``a``: receives from any rank). A peer blocked in a send or receive reads them (:func:`_unmatched`)."""
+    if g.tagged:  # messages of other tags may overtake: a count cannot say what matches
+        return ""
     sent = ",".join(f"{p}:{n}" for p, n in enumerate(g.sent) if n)
     received = ",".join(f"{p}:{n}" for p, n in enumerate(g.received) if n)
     text = f"s{sent};r{received};a{g.any_received}"
@@ -243,10 +246,10 @@ def watchdog(waited: float, what: str | None = None) -> None:
     raise err
 
 
-def _p2p_waiting() -> tuple[Any, str, str, tuple[str, int] | None] | None:
-    """(group, call, description, (``"send"`` or ``"recv"``, the peer's group rank) or None when not known) of the
-    send or receive this thread waits in, from its frames (the outermost: ``recv`` rather than the ``Work.wait``
-    it runs); else None."""
+def _p2p_waiting() -> tuple[Any, str, str, tuple[str, int, int] | None] | None:
+    """(group, call, description, (``"send"`` or ``"recv"``, the peer's group rank, which of this rank's sends to
+    (receives from) it this is) or None when not known) of the send or receive this thread waits in, from its
+    frames (the outermost: ``recv`` rather than the ``Work.wait`` it runs); else None."""
     frame: Any = sys._getframe(2)
     found = None
     for _ in range(40):
@@ -259,15 +262,19 @@ def _p2p_waiting() -> tuple[Any, str, str, tuple[str, int] | None] | None:
     return found
 
 
-def _unmatched(g: Any, call: str, text: str, kind: str, q: int) -> None:
-    """A blocking send to (or receive from) group rank ``q`` that has waited 0.5 s: when ``q`` waits in a collective
-    of ``g`` that this rank has not reached, having posted fewer receives from (sends to) this rank than this
-    rank's sends to (receives from) it, neither call can ever complete: raise ``CollectiveMismatchError`` now,
-    naming both, instead of at the timeout.
+def _unmatched(g: Any, call: str, text: str, kind: str, q: int, needed: int) -> None:
+    """A send to (or receive from) group rank ``q``, this rank's ``needed``-th to (from) it, waited for 0.5 s: when
+    ``q`` waits in a collective of ``g`` that this rank has not reached, having posted fewer receives from (sends
+    to) this rank than ``needed``, neither call can ever complete: raise ``CollectiveMismatchError`` now, naming
+    both, instead of at the timeout.
 
     Sound whatever the timing: ``q`` cannot leave collective #k before this rank makes it, and while it waits
-    there it posts nothing (its counts were published with the call, again whenever they changed).
+    there it posts nothing (its counts were published with the call, again whenever they changed); messages
+    between two ranks meet their receives in order (MPI's and NCCL's rule), unless tags let them overtake: a
+    group on which either rank used a tag other than 0 gets no verdict.
     """
+    if g.tagged:
+        return  # this rank used tags: its n-th send to q need not meet q's n-th receive
     s = _progress(g, q)
     if s is None or s[0] <= g.seq or s[3] is None:
         return  # q is not in a collective this rank has still to make (or did not say)
@@ -276,13 +283,13 @@ def _unmatched(g: Any, call: str, text: str, kind: str, q: int) -> None:
         return
     sent, received, anywhere = counts
     if kind == "send":
-        posted, needed = received.get(g.rank, 0) + anywhere, g.sent[q]
+        posted = received.get(g.rank, 0) + anywhere
         theirs = f"posted {received.get(g.rank, 0)} receives from this rank" + (
             f" and {anywhere} from any rank" if anywhere else ""
         )
         mine = f"this is this rank's send #{needed} to it"
     else:
-        posted, needed = sent.get(g.rank, 0), g.received[q]
+        posted = sent.get(g.rank, 0)
         theirs, mine = f"posted {posted} sends to this rank", f"this is this rank's receive #{needed} from it"
     if posted >= needed:
         return  # it may still match: q's posted operation completes while q waits
