@@ -245,8 +245,8 @@ def test_a_send_or_receive_that_cannot_match_fails_at_once(way: str) -> None:
 def matched_p2p_job(way: str) -> tuple[str, float]:
     """A correct program whose send (receive), blocking or waited for, waits while its peer is in a collective this
     rank has not reached: the peer posted the matching irecv (isend) of 8 MiB first, then was stopped (SIGSTOP)
-    for 2 s, so the transfer cannot move and the wait reaches the monitor's check. Both complete: (results,
-    seconds waited)."""
+    for 1.5 s, so the transfer cannot move and the wait reaches the monitor's check (at 0.75 s). Both complete:
+    (results, seconds waited)."""
     import os
     import signal
     import threading
@@ -262,9 +262,9 @@ def matched_p2p_job(way: str) -> tuple[str, float]:
         dist.all_reduce(x)  # waits here (past the monitor's 0.25 s: its counts published) for rank 0
         work.wait()
     else:
-        time.sleep(1.0)
+        time.sleep(0.75)
         os.kill(pids[1], signal.SIGSTOP)
-        threading.Timer(2.0, os.kill, (pids[1], signal.SIGCONT)).start()
+        threading.Timer(1.5, os.kill, (pids[1], signal.SIGCONT)).start()
         start = time.monotonic()
         if way in ("send", "recv"):
             (dist.send if way == "send" else dist.recv)(big, 1)
@@ -275,12 +275,12 @@ def matched_p2p_job(way: str) -> tuple[str, float]:
     return f"{float(x[0])} {float(big.sum())}", waited
 
 
-@pytest.mark.parametrize("way", ["send", "recv", "isend", "irecv"])
+@pytest.mark.parametrize("way", ["send", "irecv"])  # a blocking send, a waited-for receive: both rules, both waits
 def test_a_send_or_receive_its_peer_posted_first_is_no_mismatch(way: str) -> None:
     results = run(matched_p2p_job, 2, way, timeout=120)
     moved = float(1 << 21) * (1 if way.endswith("send") else 2)  # rank 0's 1s into rank 1, or rank 1's 2s into rank 0
     assert [r[0] for r in results] == [f"2.0 {moved}"] * 2, results
-    assert results[0][1] >= 1.0, f"the {way} did not wait ({results[0][1]:.2f} s): the check was not reached"
+    assert results[0][1] >= 0.75, f"the {way} did not wait ({results[0][1]:.2f} s): the check was not reached"
 
 
 def monitored_late_job() -> str:
