@@ -73,7 +73,14 @@ def _null_nccl() -> types.SimpleNamespace:
         "NCCL_MIN": 3,
         "NCCL_AVG": 4,
     }
-    return types.SimpleNamespace(NcclCommunicator=NcclCommunicator, NcclError=RuntimeError, **names)
+    return types.SimpleNamespace(
+        NcclCommunicator=NcclCommunicator,
+        NcclError=RuntimeError,
+        get_version=lambda: 22705,  # asked by the backend since 2026-11 (NCCL AVG needs 2.10)
+        groupStart=lambda: None,
+        groupEnd=lambda: None,
+        **names,
+    )
 
 
 def _null_cuda() -> types.SimpleNamespace:

@@ -8,10 +8,11 @@ group from the launcher's environment (``mpiexec``, ``srun``, ``commlib.launch``
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from commlib import env
+from commlib import backends, env
 from commlib._barrier import barrier, monitored_barrier
 from commlib._collectives import (
     all_gather,
@@ -37,7 +38,6 @@ from commlib._objects import (
 from commlib._ops import ReduceOp
 from commlib._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from commlib._world import (
-    DEFAULT_TIMEOUT,
     GroupMember,
     destroy_process_group,
     get_backend,
@@ -138,7 +138,17 @@ __all__ = [
     "scatter_object_list",
     "send",
     "send_object_list",
+    "setting",
 ]
+
+
+def setting(name: str) -> Any:
+    """The value of commlib's environment setting ``name`` (a ``COMMLIB_*`` or ``GLOBALVIEW_*`` variable) as the
+    environment says now, parsed and checked (docs/reliability.md lists them all); ``KeyError`` for another name,
+    ``ValueError`` naming the variable for a bad value."""
+    from commlib._settings import current
+
+    return current(name)
 
 
 def is_available() -> bool:
@@ -155,10 +165,7 @@ def is_mpi_available() -> bool:
 
 def is_nccl_available() -> bool:
     """True when the nccl backend can run here: a usable GPU with cupy's NCCL, or the CPU emulator."""
-    from commlib._rendezvous import emulated
-    from commlib.backends.nccl import nccl_unavailable_reason
-
-    return emulated() or nccl_unavailable_reason() is None
+    return is_backend_available(Backend.NCCL)
 
 
 def is_gloo_available() -> bool:
@@ -167,7 +174,7 @@ def is_gloo_available() -> bool:
 
 
 #: torch's default timeout for a process group other than nccl's (30 minutes); commlib's for the mpi backend.
-default_pg_timeout = timedelta(seconds=DEFAULT_TIMEOUT["mpi"])
+default_pg_timeout = timedelta(seconds=backends.DEFAULT_TIMEOUT)
 
 #: torch's store and network failures (``DistStoreError``: a store's wait timed out; ``DistNetworkError``: a
 #: peer or store unreachable). commlib raises :class:`CommError` for both (a timeout: ``CommTimeoutError``), so
@@ -199,34 +206,45 @@ class Backend(str):
     def register_backend(
         cls, name: str, func: Any, extended_api: bool = False, devices: str | list[str] | None = None
     ) -> None:
-        """torch's hook for a third-party backend: ``Backend.NAME`` and ``backend_list`` learn ``name``.
+        """torch's hook for a third-party backend: ``init_process_group(backend=name)`` then runs it.
 
-        A third-party backend is a torch ``ProcessGroup``: run it through ``torch.distributed``;
-        commlib's ``init_process_group(backend=name)`` refuses it, saying so (and
-        :func:`is_backend_available` is False for it). commlib's own names cannot be registered.
+        ``func(store, rank, world_size, timeout)`` (torch's creator signature; ``timeout`` a timedelta) makes a
+        commlib backend (a ``commlib.backends.base.Backend``) from the job's store; a torch ``ProcessGroup``
+        is refused when ``init_process_group`` calls it, saying so (run those through ``torch.distributed``).
+        ``Backend.NAME`` and ``backend_list`` learn ``name``. commlib's own names cannot be registered.
         """
-        from commlib._world import _BACKEND_ALIASES, REGISTERED
-
         if not isinstance(name, str) or not name:
             raise TypeError(f"Backend.register_backend: name must be a non-empty str, got {name!r}")
         if not callable(func):
             raise TypeError(f"Backend.register_backend: func must be callable (the backend's creator), got {func!r}")
-        if name.lower() in _BACKEND_ALIASES:
-            raise ValueError(f"Backend.register_backend: {name!r} is one of commlib's own backends")
+        try:
+            backends.register(name, functools.partial(_created, name.lower(), func))
+        except ValueError as e:
+            raise ValueError(f"Backend.register_backend: {e}") from None
         if not hasattr(cls, name.upper()):
             setattr(cls, name.upper(), name.lower())
         if name.lower() not in cls.backend_list:
             cls.backend_list.append(name.lower())
-        REGISTERED[name.lower()] = (func, extended_api, devices)
+
+
+def _created(name: str, func: Any, place: backends.Place) -> Any:
+    """A registered creator's backend for ``place`` (see :meth:`Backend.register_backend`)."""
+    from commlib.backends.base import Backend as Engine
+
+    made = func(place.store, place.rank, place.size, timedelta(seconds=place.timeout))
+    if not isinstance(made, Engine):
+        raise TypeError(
+            f"init_process_group: backend {name!r}'s creator returned {type(made).__name__}, not a commlib backend "
+            "(commlib.backends.base.Backend); a torch ProcessGroup runs through torch.distributed, not commlib"
+        )
+    return made
 
 
 def is_backend_available(backend: str) -> bool:
     """True when ``init_process_group(backend)`` can run here: ``"mpi"`` (also ``"gloo"``, ``"cpu"``)
-    always, ``"nccl"`` when :func:`is_nccl_available`; False for any other name."""
-    from commlib._world import _BACKEND_ALIASES
-
-    name = _BACKEND_ALIASES.get(str(backend).lower())
-    return is_nccl_available() if name == "nccl" else name is not None
+    always, ``"nccl"`` when a GPU (or the emulator) is usable, a registered backend; False for another name."""
+    spec = backends.find(backend)
+    return spec is not None and spec.unavailable() is None
 
 
 def _register_with_torch() -> None:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-from commlib._diagnostics.debug import check as check_call
+from commlib._diagnostics.debug import check
 from commlib._group import ProcessGroup, Work
 from commlib._timeouts import as_seconds
 from commlib._world import _state as _world
 from commlib._world import resolve
+from commlib.backends._call import Call
 from commlib.backends.base import MeetingTimeout
 from commlib.errors import CommTimeoutError
 
 __all__ = ["barrier", "monitored_barrier"]
+
+_BARRIER = Call("barrier", None, 0)
 
 
 def barrier(
@@ -27,24 +32,26 @@ def barrier(
         and type(g) is ProcessGroup
         and (ready := g.ready) is not None
         and not g.pending
-        and (p := ready["barrier"].get(())) is not None
+        and (p := ready.get(("barrier",))) is not None
         and g.run_ready("barrier", p, None, None)
     ):
         return None
-    g, b = resolve(group, "barrier")
-    seconds = None if timeout is None else as_seconds(timeout, f"{g.label}barrier")  # checked before posting
-    if g.detail:
-        check_call(g, "barrier")
-    fused = g.fused.get("barrier") if g.host and not async_op else None
-    if fused is None and (async_op or seconds is None):
-        return g.issue("barrier", "barrier", (), async_op)
-    g.run("barrier", None, 0, g.timeout if seconds is None else seconds, fused or _posted_barrier(b))
-    return None
+    g, _ = resolve(group, "barrier")
+    if timeout is None:
+        return g.call("barrier", _BARRIER, None, None, async_op, None, ("barrier",))
+    seconds = as_seconds(timeout, f"{g.label}barrier")  # checked before posting
+    with _timeout(g, seconds):
+        return g.call("barrier", _BARRIER, None, None, async_op, None, ("barrier",))
 
 
-def _posted_barrier(b: Any) -> Any:
-    """A barrier posted through its handle, waited for as :meth:`ProcessGroup.run` waits (``(seq, timeout)``)."""
-    return lambda seq, timeout: b.barrier(seq).wait(timeout)
+@contextlib.contextmanager
+def _timeout(g: ProcessGroup, seconds: float) -> Iterator[None]:
+    """``g``'s timeout is ``seconds`` meanwhile (a barrier's own ``timeout=``)."""
+    before, g.timeout = g.timeout, seconds
+    try:
+        yield
+    finally:
+        g.timeout = before
 
 
 def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
@@ -59,7 +66,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout: Any = None, wa
     g, b = resolve(group, call)
     seconds = g.timeout if timeout is None else as_seconds(timeout, f"{g.label}{call}")
     if g.detail:
-        check_call(g, call)
+        check(g, call, _BARRIER)
     g.seq += 1
     if g.size == 1:
         return

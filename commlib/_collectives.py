@@ -1,21 +1,37 @@
-"""The collectives on tensors, with torch.distributed's signatures (validation, then one backend call)."""
+"""The collectives on tensors, with torch.distributed's signatures: validate, describe the call once
+(:class:`~commlib.backends._call.Call`), hand it to :meth:`ProcessGroup.call`.
+
+The fast path: a blocking call on a numpy array whose description the group ran before runs the backend's
+ready operation for it at once (:meth:`ProcessGroup.run_ready`), found in ``g.ready`` by a key each function
+builds from its arguments alone, before any validation (the operation's ``go`` refuses arrays that are not
+its: another dtype of the same byte count). The keys, written here and in ``_composed``, ``_barrier`` and
+``_p2p``, and given to ``ProcessGroup.call`` on the generic path so the backend lists the operation it makes
+under the same key (ranks given as global ranks)::
+
+    all_reduce (SUM)            bytes
+    broadcast                   ("broadcast", bytes, src)
+    reduce (SUM)                ("reduce", bytes, dst)
+    all_gather_into_tensor      ("all_gather", input bytes, output bytes)
+    reduce_scatter_tensor (SUM) ("reduce_scatter", input bytes, output bytes)
+    all_to_all_single           ("all_to_all", input bytes, output bytes[, input splits, output splits])
+    gather, scatter             ("gather" / "scatter", bytes of a chunk, dst / src)
+    barrier                     ("barrier",)
+    send, recv                  ("send" / "recv", bytes, dst / src, tag)
+"""
 
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
 import numpy as np
 
-from commlib._diagnostics import flight as _flight
-from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup, Work
 from commlib._ops import ReduceOp, as_reduce_op
-from commlib._settings import value as setting
 from commlib._world import _state as _world
 from commlib._world import resolve
-from commlib.arrays import DTYPES, address, op_error, same_kind, strided_view
+from commlib.arrays import DTYPES, address, op_error, packed, same_kind, strided_view, unpack
+from commlib.backends._call import Call
 
 __all__ = [
     "all_gather",
@@ -32,14 +48,12 @@ __all__ = [
     "root_rank",
     "check_list",
     "pair",
-    "packed",
-    "unpack",
 ]
 
 
-_now, _starts, _ends, _slots = _flight.now, _flight.ring.starts, _flight.ring.ends, _flight.ring.slots
 _ndarray = np.ndarray
 _SUM = ReduceOp.SUM  # Enum class attribute access costs ~50 ns; the hot path reads a global
+_new = tuple.__new__  # a Call from a tuple of all its fields: half the cost of its constructor
 
 
 def _op(op: Any, dtype: np.dtype, g: ProcessGroup, call: str) -> ReduceOp:
@@ -127,16 +141,16 @@ def all_reduce(
 ) -> Work | None:
     """Reduce ``tensor`` across the group; every rank gets the result in place."""
     g = _world.world if group is None else group
-    # The common case (a numpy array, SUM, a size seen before) runs the backend's ready operation (its own lookup,
-    # Backend.sums): this function's own overhead is most of a small call's latency.
+    # The common case (a numpy array, SUM, a size seen before) runs the backend's ready operation: this
+    # function's own overhead is most of a small call's latency.
     if (
         op is _SUM
         and not async_op
         and type(tensor) is _ndarray
         and type(g) is ProcessGroup
-        and (sums := g.sums) is not None
+        and (ready := g.ready) is not None
         and not g.pending
-        and (p := sums.get(tensor.nbytes)) is not None
+        and (p := ready.get(tensor.nbytes)) is not None
         and g.run_ready("all_reduce", p, tensor, tensor)
     ):
         return None
@@ -148,25 +162,21 @@ def all_reduce(
     # SUM is defined for every dtype on mpi: skip the op check on the hot path there
     if op is not _SUM or g.limits is not None:
         op = _op(op, a.dtype, g, "all_reduce")
-    if g.detail:
-        check_call(g, "all_reduce", a, op)
-    if async_op or (fused := g.fused_all_reduce) is None or not g.host or back is not None:
-        return g.issue("all_reduce", "all_reduce", (a, a, op), async_op, a.dtype, a.size, back)
-    g.run("all_reduce", a.dtype, a.size, g.timeout, fused, a, a, op)  # issue(), inlined
-    return None
+    c = _new(Call, ("all_reduce", a.dtype, a.size, op, -1, 0, None))
+    return g.call("all_reduce", c, a, a, async_op, back, a.nbytes if op is _SUM and back is None else None)
 
 
-def ran_ready(group: Any, call: str, table: str, key: tuple, inp: Any, out: Any, async_op: bool) -> bool:
-    """Run a blocking call through the backend's ready operation of ``table`` for ``key`` (Backend.residents:
-    by the arrays' byte counts and the call's root, peer or splits), if there is one and the arrays are its
-    (:meth:`ProcessGroup.run_ready`); True: done; False: the generic path (nothing happened)."""
+def ran_ready(group: Any, call: str, key: Any, inp: Any, out: Any, async_op: bool) -> bool:
+    """Run a blocking call through the backend's ready operation listed under ``key`` (see the module
+    docstring), if there is one and the arrays are its (:meth:`ProcessGroup.run_ready`); True: done; False: the
+    generic path (nothing happened)."""
     g = _world.world if group is None else group
     return (
         not async_op
         and type(g) is ProcessGroup
         and (ready := g.ready) is not None
         and not g.pending
-        and (p := ready[table].get(key)) is not None
+        and (p := ready.get(key)) is not None
         and g.run_ready(call, p, inp, out)
     )
 
@@ -188,16 +198,15 @@ def broadcast(
         and type(g) is ProcessGroup
         and (ready := g.ready) is not None
         and not g.pending
-        and (p := ready["broadcast"].get((tensor.nbytes, src))) is not None
+        and (p := ready.get(("broadcast", tensor.nbytes, src))) is not None
         and g.run_ready("broadcast", p, tensor, tensor)
     ):
         return None
     g, _ = resolve(group, "broadcast")
     a, back = in_place(g, tensor, "broadcast")
     root = root_rank(g, "broadcast", src, group_src, "src")
-    if g.detail:
-        check_call(g, "broadcast", a, root=root)
-    return g.issue("broadcast", "broadcast", (a, root), async_op, a.dtype, a.size, back)
+    key = ("broadcast", a.nbytes, src) if group_src is None and back is None else None
+    return g.call("broadcast", Call("broadcast", a.dtype, a.size, None, root), a, a, async_op, back, key)
 
 
 def reduce(
@@ -215,16 +224,15 @@ def reduce(
         and type(tensor) is _ndarray
         and type(dst) is int
         and group_dst is None
-        and ran_ready(group, call, "reduce", (tensor.nbytes, dst), tensor, tensor, async_op)
+        and ran_ready(group, call, ("reduce", tensor.nbytes, dst), tensor, tensor, async_op)
     ):
         return None
     g, _ = resolve(group, call)
     a, back = in_place(g, tensor, call)
     op = _op(op, a.dtype, g, call)
     root = root_rank(g, call, dst, group_dst, "dst")
-    if g.detail:
-        check_call(g, call, a, op, root)
-    return g.issue(call, "reduce", (a, a, op, root), async_op, a.dtype, a.size, back)
+    key = ("reduce", a.nbytes, dst) if op is _SUM and group_dst is None and back is None else None
+    return g.call(call, Call("reduce", a.dtype, a.size, op, root), a, a, async_op, back, key)
 
 
 def pair(g: ProcessGroup, call: str, output: Any, out_arg: str, input: Any, in_arg: str) -> tuple[Any, Any]:
@@ -243,19 +251,18 @@ def all_gather_into_tensor(
     if (
         type(input_tensor) is _ndarray
         and type(output_tensor) is _ndarray
-        and ran_ready(group, call, "all_gather", (input_tensor.nbytes, output_tensor.nbytes), input_tensor,
+        and ran_ready(group, call, ("all_gather", input_tensor.nbytes, output_tensor.nbytes), input_tensor,
                       output_tensor, async_op)
     ):  # fmt: skip
         return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output_tensor, "output_tensor", input_tensor, "input_tensor")
     _check_count(g, call, "output_tensor", out, g.size, inp.size)
-    if g.detail:
-        check_call(g, call, inp)
-    send: np.ndarray | None = inp
+    send: Any = inp
     if g.xp.may_share_memory(out, inp):
         send = None if _is_chunk(inp, out, g.rank) else inp.copy()
-    return g.issue(call, "all_gather", (send, out), async_op, inp.dtype, inp.size)
+    key = ("all_gather", inp.nbytes, out.nbytes) if send is inp else None
+    return g.call(call, Call("all_gather", inp.dtype, inp.size), send, out, async_op, None, key)
 
 
 def all_gather(
@@ -266,90 +273,15 @@ def all_gather(
     g, _ = resolve(group, call)
     inp = g.buffer(tensor, g, call, "tensor", writable=False)
     outs = check_list(g, call, "tensor_list", tensor_list, inp, writable=True, count=inp.size)
-    if g.detail:
-        check_call(g, call, inp)
+    c = Call("all_gather", inp.dtype, inp.size)
+    if not g.host:  # device memory: straight into each tensor (no staging buffer, no copy out)
+        return g.call(call, c, inp, outs, async_op)
     flat = packed(outs)
     if flat is not None:  # written in place; an input inside it is this rank's chunk (or copied first)
         send = None if _is_chunk(inp, flat, g.rank) else inp.copy() if g.xp.may_share_memory(flat, inp) else inp
-        return g.issue(call, "all_gather", (send, flat), async_op, inp.dtype, inp.size)
+        return g.call(call, c, send, flat, async_op)
     flat = g.xp.empty(g.size * inp.size, inp.dtype)
-    return g.issue(call, "all_gather", (inp, flat), async_op, inp.dtype, inp.size, lambda: unpack(flat, outs))
-
-
-_PACKED_FROM = 64 << 10  # bytes
-
-
-def _native_span() -> Any:
-    """The C module's ``span`` (None: not built, or ``COMMLIB_NATIVE=0``)."""
-    if not setting("COMMLIB_NATIVE"):
-        return None
-    try:
-        return importlib.import_module("commlib.backends._ready").span  # a C module, no MPI; built or not
-    except ImportError:
-        return None
-
-
-_span = _native_span()
-
-
-def packed(parts: list[Any]) -> Any | None:
-    """One flat view over ``parts`` when they lie back to back, in order, in one numpy buffer; else None.
-
-    A list such as ``[x[0:n], x[n:2n], ...]`` then needs no staging buffer and no copy: the
-    collective reads or writes it where it is.
-    """
-    first = parts[0] if parts else None
-    if type(first) is not np.ndarray or first.nbytes * len(parts) < _PACKED_FROM:
-        return None  # small lists: staging costs less than finding out
-    got = _span(parts) if _span is not None and type(parts) is list else None
-    if got is False:
-        return None
-    if got is None:  # no C module, or it cannot tell (e.g. bfloat16, which exports no buffer)
-        got = _span_python(parts)
-        if got is None:
-            return None
-    root, base, size, start, at = got
-    count = (at - start) // first.itemsize
-    if 0 <= base <= start and at <= base + size:  # a view of the root: ~0.4 us, as_strided ~2 us
-        flat = np.ndarray((count,), first.dtype, buffer=root, offset=start - base)
-        if not first.flags.writeable:
-            flat.flags.writeable = False
-        return flat
-    flat = first.reshape(-1)
-    return np.lib.stride_tricks.as_strided(flat, (count,), (first.itemsize,), writeable=flat.flags.writeable)
-
-
-def _span_python(parts: list[Any]) -> tuple[np.ndarray, int, int, int, int] | None:
-    """What the C module's ``span`` tells, in Python: (root array, its address or -1, its bytes, start, end)
-    of back-to-back parts of one dtype in one root's memory, else None."""
-    first = parts[0]
-    owner, at = _owner(first), address(first)
-    start = at
-    for a in parts:
-        if type(a) is not np.ndarray or not a.flags.c_contiguous or a.dtype != first.dtype or address(a) != at:
-            return None
-        if _owner(a) is not owner:
-            return None
-        at += a.nbytes
-    root = first
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    return root, (address(root) if root.flags.c_contiguous else -1), root.nbytes, start, at
-
-
-def _owner(a: np.ndarray) -> Any:
-    """The object that owns ``a``'s memory (the end of its chain of bases)."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a.base if a.base is not None else a
-
-
-def unpack(flat: Any, outs: list[Any]) -> None:
-    """Copy consecutive pieces of ``flat`` into ``outs`` (each its own size and shape)."""
-    start = 0
-    for a in outs:
-        a[...] = flat[start : start + a.size].reshape(a.shape)
-        start += a.size
+    return g.call(call, c, inp, flat, async_op, lambda: unpack(flat, outs))
 
 
 def reduce_scatter_tensor(
@@ -361,18 +293,17 @@ def reduce_scatter_tensor(
         op is _SUM
         and type(input) is _ndarray
         and type(output) is _ndarray
-        and ran_ready(group, call, "reduce_scatter", (input.nbytes, output.nbytes), input, output, async_op)
+        and ran_ready(group, call, ("reduce_scatter", input.nbytes, output.nbytes), input, output, async_op)
     ):
         return None
     g, _ = resolve(group, call)
     out, inp = pair(g, call, output, "output", input, "input")
     _check_count(g, call, "input", inp, g.size, out.size)
     op = _op(op, out.dtype, g, call)
-    if g.detail:
-        check_call(g, call, out, op)
     if g.xp.may_share_memory(out, inp):
         inp = inp.copy()  # MPI reduces in place only at offset 0; a copy keeps any aliasing correct
-    return g.issue(call, "reduce_scatter", (inp, out, op), async_op, out.dtype, inp.size)
+    key = ("reduce_scatter", inp.nbytes, out.nbytes) if op is _SUM else None
+    return g.call(call, Call("reduce_scatter", out.dtype, out.size, op), inp, out, async_op, None, key)
 
 
 def reduce_scatter(
@@ -384,14 +315,14 @@ def reduce_scatter(
     out = g.buffer(output, g, call, "output")
     ins = check_list(g, call, "input_list", input_list, out, writable=False, count=out.size, like_arg="output")
     op = _op(op, out.dtype, g, call)
-    if g.detail:
-        check_call(g, call, out, op)
+    if not g.host:  # device memory: straight from each tensor (no staging buffer)
+        return g.call(call, Call("reduce_scatter", out.dtype, out.size, op), ins, out, async_op)
     send = packed(ins)
     if send is None:
         send = g.xp.concatenate([a.reshape(-1) for a in ins]) if ins else g.xp.empty(0, out.dtype)
     elif g.xp.may_share_memory(out, send):
         send = send.copy()  # as reduce_scatter_tensor: MPI reduces in place only at offset 0
-    return g.issue(call, "reduce_scatter", (send, out, op), async_op, out.dtype, send.size)
+    return g.call(call, Call("reduce_scatter", out.dtype, out.size, op), send, out, async_op)
 
 
 def all_gather_single(

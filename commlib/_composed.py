@@ -1,8 +1,8 @@
 """all_to_all, all_to_all_single, gather and scatter, with torch.distributed's signatures.
 
-The backend carries each out (``Backend.all_to_all``, ``gather``, ``scatter``): natively where
-its engine has the call (MPI), else through the base class's send/recv compositions (NCCL,
-as in NCCL's own examples; ``COMMLIB_MPI_COMPOSED=1`` makes the mpi backend use them too).
+The backend carries each out: in messages of its own where its engine can (MPI's plans), else as the base
+class's grouped sends and receives (``Backend.compose``: NCCL, as in NCCL's own examples;
+``COMMLIB_MPI_COMPOSED=1`` makes the mpi backend use them too). Fast-path keys: see ``commlib._collectives``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from commlib._collectives import check_list, packed, pair, ran_ready, root_rank, unpack
-from commlib._diagnostics.debug import check as check_call
+from commlib._collectives import check_list, pair, ran_ready, root_rank
 from commlib._group import ProcessGroup, Work
 from commlib._world import _state as _world
 from commlib._world import resolve
+from commlib.arrays import packed, unpack
+from commlib.backends._call import Call
 
 __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
 
@@ -81,10 +82,10 @@ def all_to_all_single(
         and not g.pending
     ):
         if output_split_sizes is None and input_split_sizes is None:
-            p = ready["all_to_all"].get((input.nbytes, output.nbytes))
+            p = ready.get(("all_to_all", input.nbytes, output.nbytes))
         elif type(input_split_sizes) is list and type(output_split_sizes) is list:
-            key = (input.nbytes, output.nbytes, (tuple(input_split_sizes), tuple(output_split_sizes)))
-            p = ready["all_to_all_v"].get(key)
+            key = ("all_to_all", input.nbytes, output.nbytes, tuple(input_split_sizes), tuple(output_split_sizes))
+            p = ready.get(key)
             if p is not None and not (
                 _INT.issuperset(map(type, input_split_sizes)) and _INT.issuperset(map(type, output_split_sizes))
             ):  # as the generic path takes them: ints (not bools, not floats)
@@ -98,11 +99,23 @@ def all_to_all_single(
     sc = _splits(g, call, "input_split_sizes", input_split_sizes, inp)
     rc = _splits(g, call, "output_split_sizes", output_split_sizes, out)
     _own_block(g, call, sc, rc, "input_split_sizes", "output_split_sizes")
-    if g.detail:  # split sizes may differ across ranks: only the dtype and the row shape must agree
-        check_call(g, call, inp, shape=("*", *inp.shape[1:]))
     if g.xp.may_share_memory(out, inp):
         inp = inp.copy()
-    return g.issue(call, "all_to_all", (inp, sc, out, rc), async_op, inp.dtype, inp.size)
+    key: Any = ("all_to_all", inp.nbytes, out.nbytes)
+    if input_split_sizes is not None or output_split_sizes is not None:
+        sizes = (input_split_sizes, output_split_sizes)
+        plain = all(type(x) is list and _INT.issuperset(map(type, x)) for x in sizes)
+        key = (*key, tuple(input_split_sizes), tuple(output_split_sizes)) if plain else None  # type: ignore[arg-type]
+    return g.call(call, _exchange(inp.dtype, sc, rc), inp, out, async_op, None, key)
+
+
+def _exchange(dtype: Any, sc: list[int], rc: list[int]) -> Call:
+    """The description of an all_to_all of ``sc`` elements to each rank and ``rc`` from each: even blocks, or
+    the splits (each rank's own: its messages' sizes are checked, not the splits)."""
+    k = sc[0] if sc else 0
+    if sc.count(k) == len(sc) and rc.count(k) == len(rc):  # even blocks (count(): C speed)
+        return Call("all_to_all", dtype, k)
+    return Call("all_to_all", dtype, 0, splits=(tuple(sc), tuple(rc)))
 
 
 def all_to_all(
@@ -119,8 +132,10 @@ def all_to_all(
     ref = "input_tensor_list[0]"
     ins = check_list(g, call, "input_tensor_list", input_tensor_list, first, writable=False, like_arg=ref)
     outs = check_list(g, call, "output_tensor_list", output_tensor_list, first, writable=True, like_arg=ref)
-    if g.detail:
-        check_call(g, call, first, shape=("*",))
+    counts = ([a.size for a in ins], [a.size for a in outs])
+    _own_block(g, call, *counts, "input_tensor_list", "output_tensor_list")
+    if not g.host:  # device memory: straight from and into each tensor (no staging buffer)
+        return g.call(call, _exchange(first.dtype, *counts), ins, outs, async_op)
     send = packed(ins)
     if send is None:
         send = g.xp.concatenate([a.reshape(-1) for a in ins])
@@ -128,10 +143,7 @@ def all_to_all(
     if recv is None or g.xp.may_share_memory(recv, send):
         recv = staging = g.xp.empty(sum(a.size for a in outs), first.dtype)
         finish = lambda: unpack(staging, outs)  # noqa: E731
-    counts = ([a.size for a in ins], [a.size for a in outs])
-    _own_block(g, call, *counts, "input_tensor_list", "output_tensor_list")
-    args = (send, counts[0], recv, counts[1])
-    return g.issue(call, "all_to_all", args, async_op, send.dtype, send.size, finish)
+    return g.call(call, _exchange(send.dtype, *counts), send, recv, async_op, finish)
 
 
 def _plain(g: ProcessGroup, root: int, items: Any, like: np.ndarray, writes: bool) -> bool:
@@ -171,8 +183,6 @@ def _rooted(
     if g.rank == root:  # a list of numpy arrays like the tensor needs no more checks (~1.5 us less per call)
         plain = type(a) is np.ndarray and _plain(g, root, items, a, writes)
         parts = items if plain else check_list(g, call, items_arg, items, a, writable=writes, count=a.size)
-    if g.detail:
-        check_call(g, call, a, root=root)
     return g, a, root, parts
 
 
@@ -187,14 +197,17 @@ def gather(
     """Collect every rank's ``tensor`` into ``gather_list`` on rank ``dst`` (default global rank 0)."""
     root = 0 if dst is None else dst
     key = (tensor.nbytes, root) if type(tensor) is _ndarray and type(root) is int and group_dst is None else None
-    if key is not None and ran_ready(group, "gather", "gather", key, tensor, gather_list, async_op):
+    if key is not None and ran_ready(group, "gather", ("gather", *key), tensor, gather_list, async_op):
         return None  # the root's list filled in rank order (another list is not the operation's: generic path)
     g, inp, root, outs = _rooted("gather", group, tensor, dst, group_dst, "dst", gather_list, "gather_list")
+    if not g.host:  # device memory: straight into the root's tensors (no staging buffer)
+        return g.call("gather", Call("gather", inp.dtype, inp.size, None, root), inp, outs, async_op)
     flat, finish = (packed(outs) if outs is not None else None), None
     if outs is not None and (flat is None or g.xp.may_share_memory(flat, inp)):
         flat = staging = g.xp.empty(g.size * inp.size, inp.dtype)
         finish = lambda: unpack(staging, outs)  # noqa: E731
-    return g.issue("gather", "gather", (inp, flat, root), async_op, inp.dtype, inp.size, finish)
+    key = ("gather", *key) if key is not None and (outs is None or type(outs) is list) else None
+    return g.call("gather", Call("gather", inp.dtype, inp.size, None, root), inp, flat, async_op, finish, key)
 
 
 def scatter(
@@ -208,10 +221,13 @@ def scatter(
     """Send ``scatter_list[i]`` from rank ``src`` (default global rank 0) into rank i's ``tensor``."""
     root = 0 if src is None else src
     key = (tensor.nbytes, root) if type(tensor) is _ndarray and type(root) is int and group_src is None else None
-    if key is not None and ran_ready(group, "scatter", "scatter", key, scatter_list, tensor, async_op):
+    if key is not None and ran_ready(group, "scatter", ("scatter", *key), scatter_list, tensor, async_op):
         return None  # the root's list read in rank order (another list is not the operation's: generic path)
     g, out, root, ins = _rooted("scatter", group, tensor, src, group_src, "src", scatter_list, "scatter_list")
+    if not g.host:  # device memory: straight from the root's tensors (no staging buffer)
+        return g.call("scatter", Call("scatter", out.dtype, out.size, None, root), ins, out, async_op)
     send = None if ins is None else packed(ins)
     if ins is not None and (send is None or g.xp.may_share_memory(send, out)):
         send = g.xp.concatenate([a.reshape(-1) for a in ins])
-    return g.issue("scatter", "scatter", (send, out, root), async_op, out.dtype, out.size)
+    key = ("scatter", *key) if key is not None else None
+    return g.call("scatter", Call("scatter", out.dtype, out.size, None, root), send, out, async_op, None, key)

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "detect", "expand_hostlist", "mpi_launched", "native"]
+__all__ = ["LaunchInfo", "detect", "expand_hostlist", "mpi_launched"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +124,6 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
 
 #: Variables an MPI launcher (hydra, srun --mpi=pmi2/pmix, Open MPI) gives its processes.
 _MPI_LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
-
-
-def native(env: Mapping[str, str] | None = None) -> bool:
-    """Whether commlib may use its compiled parts where they were built (``COMMLIB_NATIVE=0``: Python only)."""
-    return (os.environ if env is None else env).get("COMMLIB_NATIVE", "1").strip() != "0"
 
 
 def mpi_launched(env: Mapping[str, str] | None = None) -> bool:

@@ -1,10 +1,14 @@
-"""Process groups: their state (sequence numbers, pending work, broken), ``Work``, and the one wait path.
+"""Process groups: their state (sequence numbers, pending work, broken), the one call pipeline, ``Work``, and the
+one wait path.
 
-Every wait in commlib goes through :meth:`ProcessGroup.complete`: it waits with a deadline,
-records the outcome in the flight recorder, and on an error or a timeout fences the group off
-and raises the error that explains it. Blocking collectives enter through
-:meth:`ProcessGroup.run` (which also records the start), asynchronous ones through
-:meth:`ProcessGroup.submit` and later :meth:`Work.wait`.
+Every call a public function has validated and described (a :class:`~commlib.backends._call.Call`) enters
+:meth:`ProcessGroup.call`, which numbers it, records it in the flight recorder, checks it where
+``COMMLIB_DEBUG=DETAIL`` asks and hands it to the backend: a blocking call on host memory runs the backend's
+ready operation for its description inline (:meth:`ProcessGroup.run_ready`, which the public functions also
+enter directly on their fast path), any other call is posted (``Backend.start``) and waited for. Every wait
+goes through :meth:`ProcessGroup.complete`: it says where this rank waits (``_diagnostics.waits``, read by
+the slow path), waits with a deadline, records the outcome, and on an error or a timeout fences the group off
+and raises the error that explains it.
 """
 
 from __future__ import annotations
@@ -20,16 +24,19 @@ import numpy as np
 
 from commlib._diagnostics import debug as _debug
 from commlib._diagnostics import flight as _flight
+from commlib._diagnostics import verdicts
+from commlib._diagnostics import waits as _waits
 from commlib._timeouts import as_seconds
 from commlib.arrays import host_array
-from commlib.backends._stamp import PeerGaveUp, StampMismatch
-from commlib.backends.base import Backend, CallsDiffer, Chained, Handle
+from commlib.backends._call import Call
+from commlib.backends.base import Backend, Chained, Handle, ReadyOp
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupBrokenError, TransportError
 
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
 
 _ring = _flight.ring
 _now, _starts, _ends, _slots = _flight.now, _ring.starts, _ring.ends, _ring.slots  # hot path: globals
+_Waiting = _waits.Waiting
 
 
 def _host_intake(obj: object, ctx: Any, call: str, arg: str, writable: bool = True) -> np.ndarray:
@@ -45,8 +52,6 @@ class ProcessGroup:
         "broken",
         "buffer",
         "detail",
-        "fused",
-        "fused_all_reduce",
         "host",
         "label",
         "limits",
@@ -60,7 +65,6 @@ class ProcessGroup:
         "sent",
         "seq",
         "size",
-        "sums",
         "tagged",
         "timeout",
         "xp",
@@ -92,14 +96,9 @@ class ProcessGroup:
         self.reductions: set[tuple[Any, Any]] = set()  # (op, dtype) pairs this group's checks accepted
         # COMMLIB_DEBUG=DETAIL: every collective first checks that all ranks make the same call (diagnostics.debug).
         self.detail = _debug.detail()
-        self.fused = backend.fused() if backend is not None else {}  # blocking calls in one step, by kind
-        self.fused_all_reduce = self.fused.get("all_reduce")
-        # the backend's ready in-place SUM all_reduces (Backend.sums); None whenever the group cannot use them
-        self.sums = backend.sums() if backend is not None and self.host and not self.detail else None
-        # the same for broadcast, all_gather and reduce_scatter (Backend.residents), on groups whose ranks are
-        # the global ranks 0..size-1 (a root given as a global rank is then the group's own)
-        usable = self.sums is not None and ranks == list(range(self.size))
-        self.ready = backend.residents() if backend is not None and usable else None
+        # The backend's ready operations, by the key each public function builds from its arguments (the fast
+        # path: see commlib._collectives); None when this group cannot use them.
+        self.ready = backend.ready if backend is not None and self.host and not self.detail else None
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"
@@ -108,70 +107,61 @@ class ProcessGroup:
     def backend_name(self) -> str:
         return self.backend.name if self.backend is not None else "none"
 
-    # -- the one wait path ------------------------------------------------------------------------
-    def issue(
+    # -- the call pipeline ---------------------------------------------------------------------------------
+    def call(
         self,
-        call: str,
-        kind: str,
-        args: tuple,
-        async_op: bool,
-        dtype: Any = None,
-        count: int = 0,
+        name: str,
+        c: Call,
+        inp: Any,
+        out: Any,
+        async_op: bool = False,
         finish: Callable[[], None] | None = None,
+        key: Any = None,
     ) -> Work | None:
-        """Carry out ``call`` as the backend's operation ``kind`` on ``args`` (validated already).
+        """Number, record, check and run call ``c`` (the public call ``name``, its arguments validated) on the
+        caller's arrays ``inp`` and ``out`` (see ``Backend.start``).
 
-        Blocking calls on host memory that the backend runs in one step (``Backend.fused``) go
-        through :meth:`run`; the others post the operation and hand its handle to :meth:`submit`.
-        ``finish`` runs on completion (e.g. copying out of a staging buffer).
+        ``finish`` runs once the call completed (copy out of a staging buffer). ``key``: where the public
+        function looks the call's ready operation up (its fast path), so the backend lists the one it makes
+        there. Returns the ``Work`` of an asynchronous call.
         """
-        fused = self.fused.get(kind) if self.host and not async_op else None
-        if fused is None:
-            handle = getattr(self.backend, kind)(*args, self.seq + 1)  # numbered by submit()
-            return self.submit(handle if finish is None else Chained(handle, finish), call, async_op, dtype, count)
-        self.run(call, dtype, count, self.timeout, fused, *args)
-        if finish is not None:
-            finish()
-        return None
-
-    def submit(self, handle: Handle, call: str, async_op: bool, dtype: Any = None, count: int = 0) -> Work | None:
-        """A collective has been posted: give the caller its ``Work`` (``async_op``), or complete it now."""
-        if async_op:
-            self.seq = seq = self.seq + 1
-            work = Work(self, handle, call, seq, slot=_ring.start(self, call, dtype, count, seq))
-            self.pending.append(work)
-            return work
-        if not self.host:  # device work, as torch's NCCL: the caller's stream waits, the host goes on
+        if self.detail:
+            _debug.check(self, name, c)
+        b: Any = self.backend
+        if not async_op and self.host:
             if self.pending:
                 self.drain(None, self.timeout)
-            if handle.defer():
-                self.seq = seq = self.seq + 1
-                t = _now()  # enqueued is done, as far as the host is concerned
-                slot = next(_slots)
-                _starts[slot], _ends[slot] = (self, call, dtype, count, seq, t), t
+            p = b.prepared(c, inp, out, key if self.ready is not None else None)
+            if p is not None and self.run_ready(name, p, inp, out):
+                if finish is not None:
+                    finish()
                 return None
-        self.run(call, dtype, count, self.timeout, _waits(handle))
+        seq = self.seq + 1
+        try:
+            handle = b.start(c, inp, out, seq)
+        except CommError as e:
+            self.seq = seq
+            self.fail(name, seq, -1, e)
+        self.seq = seq
+        if finish is not None:
+            handle = Chained(handle, finish)
+        if async_op:
+            handle.detach()
+            work = Work(self, handle, name, seq, slot=_ring.start(self, name, c, seq), desc=c)
+            self.pending.append(work)
+            return work
+        if not self.host and handle.defer():  # device work, as torch's NCCL: the caller's stream waits
+            slot = next(_slots)
+            _starts[slot] = (self, name, c, seq, t := _now())  # a flight.Record; enqueued is done for the host
+            _ends[slot] = t
+            return None
+        self.complete(name, seq, _ring.start(self, name, c, seq), self.timeout, handle.wait, desc=c)
         return None
 
-    def run(self, call: str, dtype: Any, count: int, timeout: float, wait: Callable[..., bool], *args: Any) -> None:
-        """Number, record and complete a blocking collective: ``wait(*args, seq, timeout)`` posts and waits."""
-        self.seq = seq = self.seq + 1
-        slot = next(_slots)
-        _starts[slot] = (self, call, dtype, count, seq, _now())
-        if self.pending:
-            self.drain(None, self.timeout)
-        try:  # complete(), inlined: this is the latency of every blocking call
-            if wait(*args, seq, timeout):
-                _ends[slot] = _now()
-                return
-        except BaseException as e:
-            self.fail(call, seq, slot, e)
-        self.timed_out(call, seq, slot, timeout)
-
-    def run_ready(self, call: str, p: Any, inp: Any, out: Any) -> bool:
-        """Number, record and run a blocking call through a ready operation of the backend (a ``base.Resident``,
-        from ``Backend.sums`` or ``residents``) from ``inp`` into ``out``; False: the arrays are not the
-        operation's (its ``go`` returned None): nothing happened, the caller takes the generic path.
+    def run_ready(self, name: str, p: ReadyOp, inp: Any, out: Any) -> bool:
+        """Number, record and run a blocking call through a ready operation of the backend (``Backend.ready``)
+        from ``inp`` into ``out``; False: the arrays are not the operation's (its ``go`` returned None):
+        nothing happened, the caller takes the generic path.
 
         Each of ``inp`` and ``out`` is an array, a list of arrays (scatter's and gather's root lists, in rank
         order) or None (no input; no output on this rank).
@@ -185,40 +175,99 @@ class ProcessGroup:
             return False
         self.seq = seq
         slot = next(_slots)
-        # stamped once, as go() returned: a call done by then is recorded with no duration (its start is within
-        # microseconds, or a large one's spin of at most 0.25 s, of that); one still running from there on
-        _starts[slot] = (self, call, p.dtype, p.count, seq, t := _now())
+        # a flight.Record, stamped once as go() returned: a call done by then is recorded with no duration (its
+        # start is within microseconds, or a large one's spin of at most 0.25 s, of that)
+        _starts[slot] = (self, name, p.call, seq, t := _now())
         if done is True:
             _ends[slot] = t
             return True
-        self.ready_rest(call, p, out, seq, slot, done if isinstance(done, BaseException) else None)
+        self.ready_rest(name, p, out, seq, slot, done if isinstance(done, BaseException) else None)
         return True
 
-    def ready_rest(self, call: str, p: Any, out: Any, seq: int, slot: int, exc: BaseException | None) -> None:
-        """:meth:`run_ready` after a ``go()`` that did not complete (``exc`` None: wait, finish) or raised ``exc``;
-        a send or receive (not numbered: ``seq`` 0, ``slot`` -1) too."""
-        done = True
+    # -- sends and receives: not numbered (the peer's matching call is their check) ------------------------
+    def start_p2p(self, name: str, c: Call, inp: Any, out: Any, later: bool = True) -> Handle:
+        """Post send or receive ``c`` (counted already; ``later``: waited for later, by its Work); a failure
+        fences the group."""
         try:
-            if exc is not None:
-                raise exc
-            done = p.wait(self.timeout)
-            if done:
-                p.finish(out)
-        except BaseException as e:
-            self.fail(call, seq, slot, p.error(e))
-        if not done:
-            self.timed_out(call, seq, slot, self.timeout)
-        if slot >= 0:
-            _ends[slot] = _now()
+            handle = self.backend.start(c, inp, out, 0)  # type: ignore[union-attr]
+        except CommError as e:
+            self.fail(name, 0, -1, e)
+        if later:
+            handle.detach()
+        return handle
 
-    def complete(self, call: str, seq: int, slot: int, timeout: float, wait: Callable[..., bool], *args: Any) -> None:
-        """Wait (``wait(*args, timeout)``); record the end in ``slot`` (none if < 0); on failure fence and raise."""
+    def run_p2p(self, name: str, p: ReadyOp, inp: Any, out: Any, counted: bool = False) -> bool:
+        """A blocking send or receive through a ready operation (as :meth:`run_ready`, not numbered nor recorded),
+        counted for the closing check unless ``counted``; False: the arrays are not its (nothing happened)."""
         try:
-            done = wait(*args, timeout)
+            done = p.go(inp, out, 0)
         except BaseException as e:
-            self.fail(call, seq, slot, e)
-        if not done:
-            self.timed_out(call, seq, slot, timeout)
+            done = e
+        if done is None:
+            return False
+        c = p.call
+        counts = self.sent if c.kind == "send" else self.received
+        if not counted:
+            counts[c.root] += 1
+        if done is not True:
+            exc = done if isinstance(done, BaseException) else None
+            self.ready_rest(name, p, out, 0, -1, exc, c.root, counts[c.root])
+        return True
+
+    def message(
+        self, name: str, c: Call, inp: Any, out: Any, key: Any = None, finish: Callable[[], None] | None = None
+    ) -> int:
+        """A blocking send or receive ``c`` (counted already); returns the peer's group rank (of a receive from
+        any rank: the sender's). ``key``: as :meth:`call`'s."""
+        if self.host and c.root >= 0:
+            p = self.backend.prepared(c, inp, out, key if self.ready is not None else None)  # type: ignore[union-attr]
+            if p is not None and self.run_p2p(name, p, inp, out, counted=True):
+                if finish is not None:
+                    finish()
+                return c.root
+        handle = self.start_p2p(name, c, inp, out, later=False)
+        if not self.host and finish is None and handle.defer():  # as torch's NCCL: the caller's stream waits
+            return c.root
+        index = (self.sent if c.kind == "send" else self.received)[c.root] if c.root >= 0 else 0
+        self.complete(name, 0, -1, self.timeout, handle.wait, c, c.root, index)
+        if finish is not None:
+            finish()
+        return c.root if c.root >= 0 else handle.source  # type: ignore[attr-defined]
+
+    def ready_rest(
+        self, name: str, p: ReadyOp, out: Any, seq: int, slot: int, exc: BaseException | None, peer: int = -1,
+        index: int = 0,
+    ) -> None:  # fmt: skip
+        """:meth:`run_ready` after a ``go()`` that did not complete (``exc`` None: wait, finish) or raised ``exc``;
+        a send or receive (not numbered: ``seq`` 0, ``slot`` -1; its ``peer`` and ``index``) too."""
+        if exc is not None:
+            self.fail(name, seq, slot, p.error(exc))
+        self.complete(name, seq, slot, self.timeout, _finishing(p, out), desc=p.call, peer=peer, index=index)
+
+    def complete(
+        self,
+        name: str,
+        seq: int,
+        slot: int,
+        timeout: float,
+        wait: Callable[[float], bool],
+        desc: Call | None = None,
+        peer: int = -1,
+        index: int = 0,
+    ) -> None:
+        """The one wait: ``wait(timeout)``, this thread marked as waiting in call ``name`` #``seq`` (``desc``; a
+        send's or receive's ``peer`` and ``index``) meanwhile; record the end in ``slot`` (none if < 0); on
+        failure fence the group and raise."""
+        before = _waits.enter(_Waiting(self, name, desc, seq, peer, index))
+        try:
+            try:
+                done = wait(timeout)
+            except BaseException as e:
+                self.fail(name, seq, slot, e)
+            if not done:
+                self.timed_out(name, seq, slot, timeout)  # still waiting there: its error says what in
+        finally:
+            _waits.leave(before)
         if slot >= 0:
             _ends[slot] = _now()
 
@@ -233,7 +282,7 @@ class ProcessGroup:
         pending = self.pending
         while pending:
             work = pending[0]
-            self.complete(work.call, work.seq, work.slot, timeout, work.handle.wait)
+            self.complete(work.call, work.seq, work.slot, timeout, work.handle.wait, desc=work.desc)
             work.done = True
             pending.popleft()
             if work is upto:
@@ -291,27 +340,11 @@ class ProcessGroup:
         call = "close (the group's closing check)"
         try:
             rows = self.backend.close_check(self.seq, self.sent, self.received, timeout)
-        except TransportError as e:
-            self.mark_broken(e)
-            raise self.mismatch(call, self.seq, -1, e) from e
         except CommTimeoutError:
             self.fail_timeout(call, self.seq, timeout)
-        problems = []
-        for p, (calls, to_me, _) in enumerate(rows):
-            if p == self.rank:
-                continue
-            who = f"rank {self.ranks[p]}"
-            if calls != self.seq:
-                problems.append(f"{who} made {calls} collective calls on the group, this rank {self.seq}")
-            if not self.any_received and to_me != self.received[p]:
-                problems.append(
-                    f"{who} sent this rank {to_me} messages, of which this rank received {self.received[p]}"
-                )
-        if self.any_received:
-            sent = sum(r[1] for p, r in enumerate(rows) if p != self.rank)
-            got = sum(self.received) + self.any_received
-            if sent != got:
-                problems.append(f"the other ranks sent this rank {sent} messages, of which it received {got}")
+        except CommError as e:
+            self.fail(call, self.seq, -1, e)
+        problems = verdicts.closing(self.rank, self.ranks, self.seq, rows, self.received, self.any_received)
         if problems:
             err = CollectiveMismatchError(
                 f"{self.label}{call} on group {self.name!r} (ranks {_ranks(self.ranks)}): the ranks did not make the "
@@ -321,27 +354,50 @@ class ProcessGroup:
             raise err
 
     # -- failures ---------------------------------------------------------------------------------
-    def fail(self, call: str, seq: int, slot: int, err: BaseException) -> None:
-        """Record the failure of call #``seq``, fence the group off, and raise (an engine error explained)."""
+    def fail(self, call: str, seq: int, slot: int, err: BaseException) -> NoReturn:
+        """Record the failure of call #``seq``, fence the group off, and raise: a backend's error about a peer
+        (its ``peer``: a group rank) worded with this call and that rank's global rank, an engine's error
+        explained as ranks that disagree."""
         if slot >= 0:
             _ring.end(slot, self, seq, ok=False)
-        if isinstance(err, PeerGaveUp):  # a peer's group failed first: say which and why
-            peer = self.ranks[err.peer] if 0 <= err.peer < self.size else err.peer
-            out = GroupBrokenError(
-                f"{self.what(call, seq)}: rank {peer} gave up on the group ({err.reason}); the group is now unusable"
-            )
+        peer = getattr(err, "peer", None)
+        if peer is not None and not getattr(err, "_commlib_worded", False):
+            who = self.ranks[peer] if 0 <= peer < self.size else peer
+            if isinstance(err, GroupBrokenError):  # a peer's group failed first: say which and why
+                out: CommError = GroupBrokenError(
+                    verdicts.gave_up(self.what(call, seq), who, err.reason or ""), peer=peer, reason=err.reason
+                )
+            else:
+                assert isinstance(err, CollectiveMismatchError)
+                text = verdicts.mismatch(self.what(call, seq), who, err.theirs or "", err.mine or "")
+                out = CollectiveMismatchError(
+                    text + self.dumped(f"mismatch in {call} #{seq}"), peer=peer, theirs=err.theirs, mine=err.mine
+                )
+            out._commlib_worded = True  # type: ignore[attr-defined]
             self.mark_broken(out)
             raise out from None
+        if isinstance(err, TransportError):  # the engine failed inside the call: the ranks most likely disagree
+            out = CollectiveMismatchError(
+                verdicts.engine_failure(self.what(call, seq, self._bytes(slot, seq)), self.backend_name, err)
+                + self.dumped(f"mismatch in {call} #{seq}")
+            )
+            self.mark_broken(out)
+            raise out from err
         self.mark_broken(err)
-        if isinstance(err, TransportError):
-            raise self.mismatch(call, seq, slot, err) from err
         raise err
+
+    def _bytes(self, slot: int, seq: int) -> str:
+        """``, N bytes on this rank``: call #``seq``'s, where its record in ``slot`` says."""
+        r = _ring.record(slot) if slot >= 0 else None
+        if r is None or r.group is not self or r.seq != seq or r.desc is None or r.desc.dtype is None:
+            return ""
+        return f", {r.desc.nbytes()} bytes on this rank"
 
     def fail_timeout(self, call: str, seq: int, timeout: float) -> NoReturn:
         """Mark the group broken and raise the ``CommTimeoutError`` that says what was waited for."""
-        from commlib._diagnostics import monitor
+        from commlib._diagnostics import watchdog
 
-        arrived, differ = monitor.arrival(self, call, seq, timeout)
+        arrived, differ = watchdog.arrival(self, call, seq, timeout)
         if differ:  # every rank is here, in another call: say so (not "a peer did not come")
             err: CommError = CollectiveMismatchError(
                 f"{self.what(call, seq)} did not complete within {timeout:g} s: the ranks are not making the same "
@@ -366,39 +422,10 @@ class ProcessGroup:
         path = _flight.dump(f"{reason} on group {self.name!r}")
         return f" (flight recorder: {path})" if path else ""
 
-    def mismatch(self, call: str, seq: int, slot: int, err: TransportError) -> CommError:
-        """The error for an engine failure inside a call: a message of another call (``StampMismatch``: both
-        calls named), or ranks that most likely disagree on the call."""
-        if isinstance(err, StampMismatch):
-            peer = self.ranks[err.peer] if 0 <= err.peer < self.size else err.peer
-            text = (
-                f"{self.what(call, seq)}: the ranks are not making the same call: rank {peer} sent {err.got}, "
-                f"where this rank's call expects {err.wanted}; the group is now unusable"
-            )
-        elif isinstance(err, CallsDiffer):
-            text = (
-                f"{self.what(call, seq)}: the ranks are not making the same call: another rank's call differs from "
-                f"this rank's {err.mine} (the {self.backend_name} backend compares fingerprints: it cannot say "
-                "which rank, nor its call; COMMLIB_DEBUG=DETAIL lists every rank's); the group is now unusable"
-            )
-        else:
-            entry = _starts[slot] if slot >= 0 else None
-            nbytes = ""
-            if entry is not None and entry[0] is self and entry[4] == seq and entry[2] is not None:
-                nbytes = f", {entry[3] * np.dtype(entry[2]).itemsize} bytes on this rank"
-            text = (
-                f"{self.what(call, seq, nbytes)} failed inside {self.backend_name}: the ranks most likely disagree on "
-                f"the size of this call, or made different numbers of calls before it ({err}); the group is now "
-                "unusable"
-            )
-        out = CollectiveMismatchError(text + self.dumped(f"mismatch in {call} #{seq}"))
-        self.broken, self.sums, self.ready = out, None, None
-        return out
-
     def mark_broken(self, err: BaseException) -> None:
         """Fence the group off: every later call on it raises ``GroupBrokenError`` from ``err``."""
         if self.broken is None:
-            self.broken, self.sums, self.ready = err, None, None
+            self.broken, self.ready = err, None
             if self.backend is not None:
                 self.backend.abort(f"{type(err).__name__}: {err}")
 
@@ -438,9 +465,20 @@ class ProcessGroup:
         return int(group_rank)
 
 
-def _waits(handle: Handle) -> Callable[[int, float], bool]:
-    """``handle.wait`` as :meth:`ProcessGroup.run` calls a wait: ``(seq, timeout)`` (the handle has its seq)."""
-    return lambda seq, timeout: handle.wait(timeout)
+def _finishing(p: ReadyOp, out: Any) -> Callable[[float], bool]:
+    """A ready operation's wait for the run its ``go()`` left running, then its ``finish(out)``; the engine's
+    errors as the operation says (``p.error``)."""
+
+    def wait(timeout: float) -> bool:
+        try:
+            if not p.wait(timeout):
+                return False
+            p.finish(out)
+        except BaseException as e:
+            raise p.error(e) from None
+        return True
+
+    return wait
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -457,7 +495,7 @@ class Work:
     Work is not ordered with collectives (like gloo, unlike one NCCL stream).
     """
 
-    __slots__ = ("call", "done", "group", "handle", "index", "ordered", "peer", "receive", "seq", "slot")
+    __slots__ = ("call", "desc", "done", "group", "handle", "index", "ordered", "peer", "receive", "seq", "slot")
 
     def __init__(
         self,
@@ -470,10 +508,12 @@ class Work:
         receive: bool = False,
         peer: int = -1,
         index: int = 0,
+        desc: Call | None = None,
     ) -> None:
         self.group = group
         self.handle = handle
         self.call = call
+        self.desc = desc  # the call's description
         self.seq = seq
         self.ordered = ordered
         self.slot = slot  # the flight recorder's slot of a collective (-1: point-to-point)
@@ -503,7 +543,7 @@ class Work:
         if self.ordered:
             group.drain(self, seconds)
         else:
-            group.complete(self.call, self.seq, -1, seconds, self.handle.wait)
+            group.complete(self.call, 0, -1, seconds, self.handle.wait, self.desc, self.peer, self.index)
             self.done = True
         return True
 
@@ -523,6 +563,22 @@ class Work:
             group = self.group
             self.done = group.test_upto(self, seconds) if self.ordered else group.complete_if_done(self, seconds)
         return self.done
+
+    def watch(self, waited: float) -> None:
+        """The slow path of a wait for this Work that another loop drives (torch's Work, its progress thread):
+        say where this rank waits, and raise as a wait of commlib's would (the group fenced off) when no call
+        can complete or a peer failed. ``waited``: seconds waited so far."""
+        from commlib.backends import base
+
+        group = self.group
+        if self.done or base.watchdog is None:
+            return
+        if group.broken is not None:
+            group.refuse(self.call)
+        try:
+            base.watchdog(waited, _Waiting(group, self.call, self.desc, self.seq, self.peer, self.index))
+        except BaseException as e:
+            group.fail(self.call, self.seq, self.slot, e)
 
     def source_rank(self) -> int:
         """For ``irecv(src=None)``: the global rank the message came from (waits first)."""

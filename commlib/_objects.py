@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from commlib._collectives import root_rank
-from commlib._diagnostics.debug import check as check_call
 from commlib._group import ProcessGroup
 from commlib._p2p import _peer, _source, recv, send
 from commlib._world import resolve
 from commlib.arrays import to_device, to_host
+from commlib.backends._call import Call
 
 __all__ = [
     "all_gather_object",
@@ -58,13 +58,13 @@ def _check_list(g: ProcessGroup, call: str, arg: str, value: Any, size: int | No
 
 def _all_gather(g: ProcessGroup, call: str, mine: np.ndarray) -> np.ndarray:
     out = g.xp.empty(g.size * mine.size, mine.dtype)
-    g.issue(call, "all_gather", (to_device(mine, g.xp), out), False)
+    g.call(call, Call("all_gather", mine.dtype, mine.size), to_device(mine, g.xp), out)
     return to_host(out)
 
 
 def _broadcast(g: ProcessGroup, call: str, buf: np.ndarray, root: int) -> np.ndarray:
     moved = to_device(buf, g.xp)
-    g.issue(call, "broadcast", (moved, root), False)
+    g.call(call, Call("broadcast", buf.dtype, buf.size, None, root), moved, moved)
     return to_host(moved)
 
 
@@ -73,8 +73,6 @@ def all_gather_object(object_list: list, obj: Any, group: ProcessGroup | None = 
     call = "all_gather_object"
     g, _ = resolve(group, call)
     _check_list(g, call, "object_list", object_list, g.size)
-    if g.detail:
-        check_call(g, call)
     data = _dump(obj)
     sizes = _all_gather(g, call, np.array([data.size], _I64))
     width = int(sizes.max())
@@ -94,13 +92,11 @@ def gather_object(
     g, _ = resolve(group, call)
     root = root_rank(g, call, dst, group_dst, "dst", default=0)
     gather_list = _check_list(g, call, "object_gather_list", object_gather_list, g.size) if g.rank == root else []
-    if g.detail:
-        check_call(g, call, root=root)
     data = _dump(obj)
     sizes = _all_gather(g, call, np.array([data.size], _I64))
     width = int(sizes.max())
     out = g.xp.empty(g.size * width, _U8) if g.rank == root else None
-    g.issue(call, "gather", (to_device(_padded([data], width), g.xp), out, root), False)
+    g.call(call, Call("gather", _U8, width, None, root), to_device(_padded([data], width), g.xp), out)
     if out is not None:
         out = to_host(out)
         gather_list[:] = [_load(out[i * width : i * width + int(n)]) for i, n in enumerate(sizes)]
@@ -118,8 +114,6 @@ def broadcast_object_list(
     g, _ = resolve(group, call)
     _check_list(g, call, "object_list", object_list, None)
     root = root_rank(g, call, src, group_src, "src")
-    if g.detail:
-        check_call(g, call, root=root)
     mine = g.rank == root
     chunks = [_dump(o) for o in object_list] if mine else []
     sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(len(object_list), _I64)
@@ -147,14 +141,14 @@ def scatter_object_list(
     root = root_rank(g, call, src, group_src, "src", default=0)
     mine = g.rank == root
     ins = _check_list(g, call, "scatter_object_input_list", scatter_object_input_list, g.size) if mine else []
-    if g.detail:
-        check_call(g, call, root=root)
     chunks = [_dump(o) for o in ins]
     sizes = np.array([c.size for c in chunks], _I64) if mine else np.zeros(g.size, _I64)
     sizes = _broadcast(g, call, sizes, root)
     width = int(sizes.max())
     recv = g.xp.empty(width, _U8)
-    g.issue(call, "scatter", (to_device(_padded(chunks, width), g.xp) if mine else None, recv, root), False)
+    g.call(
+        call, Call("scatter", _U8, width, None, root), to_device(_padded(chunks, width), g.xp) if mine else None, recv
+    )
     out_list[0] = _load(to_host(recv)[: int(sizes[g.rank])])
 
 

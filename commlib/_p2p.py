@@ -7,10 +7,10 @@ from typing import Any
 import numpy as np
 
 from commlib._collectives import in_place
-from commlib._diagnostics import monitor
 from commlib._group import ProcessGroup, Work
 from commlib._world import _state as _world
 from commlib._world import label, resolve
+from commlib.backends._call import Call
 from commlib.backends.base import Backend, Chained
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
@@ -48,68 +48,72 @@ def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
     return tag
 
 
-def _ready(g: Any, call: str, tensor: Any, peer: Any, tag: Any, group_peer: Any) -> Any:
+def _ready(g: Any, kind: str, tensor: Any, peer: Any, tag: Any, group_peer: Any) -> Any:
     """The backend's ready operation for a blocking send or recv of a numpy array to or from a peer given as a
-    global rank, if it has one (its ``go`` then says whether the array is its); else None: the generic path."""
+    global rank (the key: see ``commlib._collectives``), if it has one; else None: the generic path."""
     if (
         type(tensor) is np.ndarray
         and type(peer) is int
         and type(tag) is int
         and group_peer is None
         and type(g) is ProcessGroup
-        and (ready := g.ready) is not None  # the group's ready table (none while calls are pending)
+        and (ready := g.ready) is not None
         and not g.pending
     ):
-        return ready[call].get((tensor.nbytes, peer, tag))
+        return ready.get((kind, tensor.nbytes, peer, tag))
     return None
 
 
-def _send_args(tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str) -> tuple:
+def _send_args(
+    tensor: Any, dst: Any, group: Any, tag: Any, group_dst: Any, call: str
+) -> tuple[ProcessGroup, Call, Any]:
+    """(group, the send's description, its array); the send counted for the group's closing check."""
     g, b = resolve(group, call)
     a, _ = in_place(g, tensor, call, writable=False)  # a non-contiguous tensor: a contiguous copy
     peer = _peer(g, call, dst, group_dst, "dst")
-    args = (a, peer, _tag(g, b, call, tag))
-    g.sent[peer] += 1  # counted for the group's closing check
-    return g, b, args
+    c = Call("send", a.dtype, a.size, root=peer, tag=_tag(g, b, call, tag))
+    g.sent[peer] += 1
+    return g, c, a
 
 
 def _recv_args(tensor: Any, src: Any, group: Any, tag: Any, group_src: Any, call: str) -> tuple:
-    """(group, backend, the backend's arguments, what to run once received: a non-contiguous tensor's copy back)."""
+    """(group, the receive's description, its array, what to run once received: a non-contiguous tensor's copy
+    back); the receive counted for the group's closing check."""
     g, b = resolve(group, call)
     a, back = in_place(g, tensor, call)
     peer = _source(g, b, call, src, group_src)
-    args = (a, peer, _tag(g, b, call, tag))
-    _count_receive(g, peer)
-    return g, b, args, back
-
-
-def _count_receive(g: ProcessGroup, peer: int | None) -> None:
-    """A receive, counted for the group's closing check (from any rank: counted apart)."""
+    c = Call("recv", a.dtype, a.size, root=-1 if peer is None else peer, tag=_tag(g, b, call, tag))
     if peer is None:
         g.any_received += 1
     else:
         g.received[peer] += 1
+    return g, c, a, back
+
+
+def _index(g: ProcessGroup, c: Call) -> int:
+    """Which of this rank's sends to (receives from) ``c``'s peer ``c`` is (1: the first; 0: from any rank)."""
+    if c.root < 0:
+        return 0
+    return (g.sent if c.kind == "send" else g.received)[c.root]
 
 
 def isend(
     tensor: Any, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None
 ) -> Work:
     """Start sending ``tensor`` to global rank ``dst``; keep ``tensor`` unchanged until the Work completes."""
-    g, b, args = _send_args(tensor, dst, group, tag, group_dst, "isend")
-    peer = args[1]
-    return Work(g, b.send(*args), "isend", 0, ordered=False, peer=peer, index=g.sent[peer])
+    g, c, a = _send_args(tensor, dst, group, tag, group_dst, "isend")
+    return Work(g, g.start_p2p("isend", c, a, None), "isend", 0, False, peer=c.root, index=_index(g, c), desc=c)
 
 
 def irecv(
     tensor: Any, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None
 ) -> Work:
     """Start receiving into ``tensor`` from global rank ``src`` (None: any rank); returns a Work."""
-    g, b, args, back = _recv_args(tensor, src, group, tag, group_src, "irecv")
-    handle = b.recv(*args)
-    peer = -1 if args[1] is None else args[1]
+    g, c, a, back = _recv_args(tensor, src, group, tag, group_src, "irecv")
+    handle = g.start_p2p("irecv", c, None, a)
     return Work(
-        g, handle if back is None else Chained(handle, back), "irecv", 0, ordered=False, receive=True, peer=peer,
-        index=g.received[peer] if peer >= 0 else 0,
+        g, handle if back is None else Chained(handle, back), "irecv", 0, False, receive=True, peer=c.root,
+        index=_index(g, c), desc=c,
     )  # fmt: skip
 
 
@@ -118,22 +122,12 @@ def send(
 ) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until the buffer may be reused."""
     g: Any = _world.world if group is None else group
-    if (p := _ready(g, "send", tensor, dst, tag, group_dst)) is not None:
-        try:  # ProcessGroup.run_ready for a send (neither numbered nor recorded)
-            done = p.go(tensor, None, 0)
-        except BaseException as e:
-            g.ready_rest("send", p, None, 0, -1, e)
-        if done is not None:  # None: the array is not the operation's (another dtype): the generic path
-            g.sent[dst] += 1  # counted for the group's closing check
-            if not done:
-                g.ready_rest("send", p, None, 0, -1, None)
-            return
-    g, b, args = _send_args(tensor, dst, group, tag, group_dst, "send")
-    fused = g.fused.get("send") if g.host else None
-    if fused is not None:
-        g.complete("send", 0, -1, g.timeout, fused, *args)
-    else:
-        Work(g, b.send(*args), "send", 0, ordered=False).wait()
+    p = _ready(g, "send", tensor, dst, tag, group_dst)
+    if p is not None and g.run_p2p("send", p, tensor, None):
+        return
+    g, c, a = _send_args(tensor, dst, group, tag, group_dst, "send")
+    key = ("send", a.nbytes, dst, c.tag) if group_dst is None else None
+    g.message("send", c, a, None, key)
 
 
 def recv(
@@ -141,71 +135,12 @@ def recv(
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
     g: Any = _world.world if group is None else group
-    if (p := _ready(g, "recv", tensor, src, tag, group_src)) is not None:
-        try:  # ProcessGroup.run_ready for a receive (neither numbered nor recorded)
-            done = p.go(None, tensor, 0)
-        except BaseException as e:
-            g.ready_rest("recv", p, tensor, 0, -1, e)
-        if done is not None:
-            g.received[src] += 1  # an int: _ready checked
-            if not done:
-                g.ready_rest("recv", p, tensor, 0, -1, None)
-            return src  # type: ignore[return-value]  # an int: _ready checked
-    g, b, args, back = _recv_args(tensor, src, group, tag, group_src, "recv")
-    peer = args[1]
-    fused = g.fused.get("recv") if g.host and peer is not None else None
-    if fused is not None:
-        g.complete("recv", 0, -1, g.timeout, fused, *args)
-        if back is not None:
-            back()
-        return g.ranks[peer]
-    handle = b.recv(*args)
-    work = Work(g, handle if back is None else Chained(handle, back), "recv", 0, ordered=False, receive=True)
-    if peer is None:
-        return work.source_rank()
-    work.wait()
-    return g.ranks[peer]
-
-
-def _waiting(call: str, arg: str, way: str) -> Any:
-    """For the job monitor (:data:`monitor.P2P_WAITS`): a blocking ``call``'s group and peer from its frame's
-    locals, and the peer's group rank once the call has been counted (for the monitor's early verdict)."""
-
-    def describe(f: dict[str, Any]) -> tuple[Any, str, str, tuple[str, int, int] | None] | None:
-        g, peer = f.get("g"), f.get(arg)
-        if not isinstance(g, ProcessGroup):
-            return None
-        group_peer = f.get(f"group_{arg}")
-        if peer is None and group_peer is not None and 0 <= group_peer < g.size:
-            peer = g.ranks[group_peer]
-        elif peer is not None and group_peer is None:
-            group_peer = g.ranks.index(peer) if peer in g.ranks else None
-        text = f"{call} {way} {'any rank' if peer is None else f'rank {peer}'}"
-        counted = "args" in f or "done" in f  # past _send_args/_recv_args, or the ready path's count
-        if not counted or not isinstance(group_peer, int) or not 0 <= group_peer < g.size or group_peer == g.rank:
-            return g, call, text, None
-        index = (g.sent if call == "send" else g.received)[group_peer]  # a blocking call: the last one posted
-        return g, call, text, (call, group_peer, index)
-
-    return describe
-
-
-def _waiting_work(f: dict[str, Any]) -> tuple[Any, str, str, tuple[str, int, int] | None] | None:
-    """For the job monitor: the isend or irecv a ``Work.wait`` waits for (its group, peer and index)."""
-    w = f.get("self")
-    if not isinstance(w, Work) or w.ordered:
-        return None
-    g, peer = w.group, w.peer
-    if peer < 0:
-        return g, w.call, f"the wait for an {w.call}" + (" from any rank" if w.call == "irecv" else ""), None
-    way = "to" if w.call == "isend" else "from"
-    link = ("send" if w.call == "isend" else "recv", peer, w.index)
-    return g, w.call, f"the wait for an {w.call} {way} rank {g.ranks[peer]}", link
-
-
-monitor.P2P_WAITS[send.__code__] = _waiting("send", "dst", "to")
-monitor.P2P_WAITS[recv.__code__] = _waiting("recv", "src", "from")
-monitor.P2P_WAITS[Work.wait.__code__] = _waiting_work
+    p = _ready(g, "recv", tensor, src, tag, group_src)
+    if p is not None and g.run_p2p("recv", p, None, tensor):
+        return src  # type: ignore[return-value]  # an int: _ready checked
+    g, c, a, back = _recv_args(tensor, src, group, tag, group_src, "recv")
+    key = ("recv", a.nbytes, src, c.tag) if group_src is None and back is None and c.root >= 0 else None
+    return g.ranks[g.message("recv", c, None, a, key, back)]
 
 
 class P2POp:
@@ -256,11 +191,21 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         a = g.buffer(p.tensor, g, call, f"p2p_op_list[{i}].tensor", writable=recv)
         peer = _peer(g, call, p.peer, p.group_peer, "peer")
         plan.append((recv, a, peer, _tag(g, b, call, p.tag)))
-    for recv, _, peer, _ in plan:
-        (g.received if recv else g.sent)[peer] += 1
+    calls = [Call("recv" if recv else "send", a.dtype, a.size, root=peer, tag=tag) for recv, a, peer, tag in plan]
+    indices = []
+    for c in calls:
+        counts = g.received if c.kind == "recv" else g.sent
+        counts[c.root] += 1
+        indices.append(counts[c.root])
     b.group_start()
     try:
-        handles = [(b.recv if recv else b.send)(a, peer, tag) for recv, a, peer, tag in plan]
+        handles = [
+            g.start_p2p(call, c, None if recv else a, a if recv else None)
+            for c, (recv, a, _, _) in zip(calls, plan, strict=True)
+        ]
     finally:
         b.group_end()
-    return [Work(g, h, call, 0, ordered=False, receive=recv) for h, (recv, *_) in zip(handles, plan, strict=True)]
+    return [
+        Work(g, h, call, 0, False, receive=c.kind == "recv", peer=c.root, index=i, desc=c)
+        for h, c, i in zip(handles, calls, indices, strict=True)
+    ]

@@ -20,47 +20,69 @@ import functools
 import gc
 import itertools
 import os
-import sys
 from datetime import timedelta
 from typing import Any
 
 from commlib._environment import LaunchInfo, detect, mpi_launched
 from commlib._group import ProcessGroup
 from commlib._settings import value as setting
+from commlib.backends import Place, Spec, launched_world
 from commlib.backends.base import Backend, MeetingTimeout
 from commlib.errors import BackendUnavailableError, CommError, CommTimeoutError
 from commlib.store import FileStore, PrefixStore, Store, TCPStore, as_store
 
-__all__ = ["StoreMeeting", "emulated", "make_world", "rendezvous_store"]
+__all__ = ["StoreMeeting", "make_world", "rendezvous_store"]
 
 _worlds = itertools.count()  # worlds this process formed: keeps each one's keys apart in a shared store
 
 
-def emulated() -> bool:
-    """True when ``COMMLIB_NCCL_EMULATOR`` selects the CPU emulator for the nccl backend."""
-    return os.environ.get("COMMLIB_NCCL_EMULATOR", "") not in ("", "0")
-
-
 def make_world(
-    name: str, timeout: float, world_size: int, rank: int, init_method: str, store: Any
+    spec: Spec, timeout: float, world_size: int, rank: int, init_method: str, store: Any
 ) -> tuple[ProcessGroup, Store | None]:
-    """The default group of backend ``name``, and the store to close when the group is destroyed (if any)."""
+    """The default group of backend ``spec``, and the store to close when the group is destroyed (if any).
+
+    The ranks meet over the MPI world where an MPI launcher started them, else through the job's store; the
+    backend's own ``world(place)`` makes its communicator from there (``commlib.backends``), and the job's
+    diagnostics (the monitor store, the uncaught-exception hook) are set up on whatever connects the ranks.
+    """
     info = place(world_size, rank)
     _skip_the_last_collection()
-    if name == "nccl":
-        from commlib.backends import nccl
-
-        nccl.load(emulated())  # fail early, before any communication, when NCCL cannot run here
+    why = spec.unavailable()  # fail early, before any communication, when the backend cannot run here
+    if why is not None:
+        raise BackendUnavailableError(f"init_process_group: {why}")
     if mpi_launched() or (info.world_size == 1 and store is None):
-        return _launched_world(name, info, timeout, init_method), None
+        mpi = launched_world(info, timeout, functools.partial(rendezvous_store, init_method, info, timeout))
+        backend = spec.world(Place(info.rank, info.world_size, info.local_rank, timeout, mpi, None, mpi))
+        _diagnose(mpi, timeout, None, mpi.terminate)
+        return _group(backend, timeout), None
     shared, owned = _job_store(store, init_method, info, timeout)
+    meeting = StoreMeeting(shared, info.rank)
     try:
-        backend = _joined_world(name, info, timeout, shared)
+        backend = spec.world(Place(info.rank, info.world_size, info.local_rank, timeout, meeting, shared))
     except CommTimeoutError as e:
         if owned is not None:
             owned.close()
         raise CommTimeoutError(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
+    except RuntimeError as e:
+        if owned is not None:
+            owned.close()
+        if isinstance(e, CommError):
+            raise
+        raise BackendUnavailableError(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
+    _diagnose(backend, timeout, shared, backend.terminate)
     return _group(backend, timeout), owned
+
+
+def _diagnose(backend: Backend, timeout: float, store: Store | None, terminate: Any) -> None:
+    """The job's diagnostics on ``backend`` (what connects every rank): the monitor store (``store``, the job's,
+    or one world rank 0 serves), the uncaught-exception hook (ending the job with ``terminate`` where the
+    engine can), the flight recorder's signal."""
+    from commlib._diagnostics import abort, flight, watchdog
+
+    watchdog.setup(backend, timeout, store)
+    if backend.size > 1:
+        abort.install_excepthook(terminate, backend.rank, backend.size)
+    flight.install_signal()
 
 
 @functools.cache
@@ -103,61 +125,6 @@ def _group(backend: Backend, timeout: float) -> ProcessGroup:
     return ProcessGroup(backend, list(range(backend.size)), backend.rank, "world", timeout, label)
 
 
-def _launched_world(name: str, info: LaunchInfo, timeout: float, init_method: str) -> ProcessGroup:
-    """MPI's world is the job (or one node of it): the mpi backend on it, or NCCL bootstrapped over it."""
-    from commlib._diagnostics import monitor
-    from commlib.backends import _mpi_world as mpi
-
-    backend = mpi.world()
-    if backend.size < info.world_size and info.num_nodes > 1 and backend.size == info.local_world_size:
-        backend = _join_nodes(backend, info, timeout, init_method)
-    if backend.size != info.world_size and info.world_size > 1:
-        raise BackendUnavailableError(
-            f"init_process_group: the environment ({info.source}) says this is rank {info.rank} of "
-            f"{info.world_size}, but MPI's world has {backend.size} processes: start every rank with one launcher"
-        )
-    if name == "mpi":
-        backend.prepare(timeout, world=True)  # the communicators of its own, the pattern its ranks agree on
-    monitor.setup(backend, timeout)
-    if backend.size > 1:
-        monitor.install_excepthook(functools.partial(mpi.abort, backend))
-    _flight_signal()
-    if name == "nccl":
-        return _group(_nccl_world(backend, info, timeout), timeout)
-    return _group(backend, timeout)
-
-
-def _joined_world(name: str, info: LaunchInfo, timeout: float, store: Store) -> Backend:
-    """Processes no MPI launcher started: MPI processes joined through the store, or NCCL bootstrapped by it."""
-    from commlib._diagnostics import monitor
-
-    if name == "nccl":
-        backend: Backend = _nccl_world(StoreMeeting(store, info.rank), info, timeout)
-        monitor.setup(backend, timeout, store)
-        monitor.install_excepthook(None)  # no MPI to abort with: the launcher (torchrun) ends the job
-    else:
-        from commlib.backends import _mpi_world as mpi
-
-        try:
-            joined = mpi.join_singletons(store, info.rank, info.world_size, timeout)
-        except CommTimeoutError:
-            raise
-        except RuntimeError as e:
-            raise BackendUnavailableError(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
-        joined.prepare(timeout, world=True)
-        monitor.setup(joined, timeout, store)
-        monitor.install_excepthook(functools.partial(mpi.abort, joined))
-        backend = joined
-    _flight_signal()
-    return backend
-
-
-def _flight_signal() -> None:
-    from commlib._diagnostics import flight
-
-    flight.install_signal()
-
-
 def _job_store(given: Any, init_method: str, info: LaunchInfo, timeout: float) -> tuple[Store, Store | None]:
     """The store every rank of this job shares (its keys under a prefix of their own for this world), and
     the store to close with the world: the one commlib opened, never one the caller gave."""
@@ -190,7 +157,7 @@ def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float, serve: 
     ``serve``: rank 0 serves a TCP store itself (else it is a client of one served elsewhere, e.g. by
     node 0's ``commlib.launch``).
     """
-    token = os.environ.get("COMMLIB_STORE_TOKEN")
+    token = setting("COMMLIB_STORE_TOKEN") or None
     if init_method.startswith("file://"):
         return FileStore(init_method[len("file://") :], info.world_size)
     if init_method.startswith("tcp://"):
@@ -227,40 +194,6 @@ def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float, serve: 
             f"{me}: could not reach the rendezvous store at {where} within {timeout:g} s ({e}); "
             "rank 0 serves it: is rank 0 running, with the same address?"
         ) from None
-
-
-def _join_nodes(local: Any, info: LaunchInfo, timeout: float, init_method: str) -> Any:
-    """One MPI communicator out of the per-node MPI worlds (``commlib.launch --nnodes N``)."""
-    from commlib.backends import _mpi_world as mpi
-
-    store = rendezvous_store(init_method, info, timeout)
-    try:
-        return mpi.join_nodes(local, info.node_rank, info.num_nodes, info.rank, store, timeout)
-    except CommError as e:  # CommTimeoutError included: the same type, saying who
-        raise type(e)(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
-    finally:
-        store.close()
-
-
-def _nccl_world(meeting: Any, info: LaunchInfo, timeout: float) -> Backend:
-    """The NCCL communicator of the job; ``meeting`` (MPI's world, or the store) carries rank 0's unique id."""
-    from commlib.backends import nccl
-
-    module, cuda, xp, host = nccl.load(emulated())
-    if not host:  # one process per GPU, unless the caller already chose one
-        cuda.Device(info.local_rank % cuda.runtime.getDeviceCount()).use()
-    everyone = list(range(info.world_size))
-    uid = nccl.unique_id(module) if info.rank == 0 else b""
-    uid = meeting.rendezvous(everyone, timeout, uid, what="the NCCL world's unique id")
-    comm = module.NcclCommunicator(info.world_size, uid, info.rank)
-    if host and info.rank == 0:
-        print(
-            "commlib: backend 'nccl' is running on the NCCL emulator (CPU, host memory; "
-            "COMMLIB_NCCL_EMULATOR=1), not on GPUs",
-            file=sys.stderr,
-            flush=True,
-        )
-    return nccl.NcclBackend(module, cuda, xp, comm, host, meeting, everyone)
 
 
 class StoreMeeting:

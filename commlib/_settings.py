@@ -1,19 +1,19 @@
-"""commlib's settings: every ``COMMLIB_*`` environment variable that changes how commlib runs, read once here.
+"""commlib's settings: every ``COMMLIB_*`` and ``GLOBALVIEW_*`` environment variable, read here and nowhere else.
 
 :data:`TABLE` is the one list (docs/reliability.md prints it): each setting's variable, default, meaning and
-whether it *shapes messages*. A setting that shapes messages decides which bytes go to which rank (the
+whether it *shapes messages*; the variables the launcher and the test helper pass to their workers
+(``plumbing``: the launcher's status folder, the job's monitor store, ...) are in it too, so that every read of
+such a variable is here (``tests/test_settings.py`` forbids reads elsewhere; code that sets one for a child
+process names it where it sets it). A setting that shapes messages decides which bytes go to which rank (the
 compiled executor present and on, the size up to which a message carries its stamp inline, the piece size
 of a large reduction, ...): every group's ranks exchange these when the group is created and take one
 pattern all of them speak (:func:`commlib.backends.mpi.MpiBackend.agree`), so a rank whose environment or
 install differs never leaves the others waiting for messages it will not send.
 
 Values are read when commlib is imported (a test that needs another value starts a process with it), but
-``COMMLIB_TIMEOUT``, read when a default group is made (:func:`current`). The table documents every variable a
-user may set; ``ddp`` (which uses only commlib's public API) and the launcher's helpers read theirs where they
-use them.
-Variables that the launcher and the test helper pass to their workers (``COMMLIB_LAUNCH_STATUS``,
-``COMMLIB_MONITOR_STORE``, ``COMMLIB_TESTING_WORKER``, ...) are how those tools talk to their workers,
-not settings: the modules that use them read them where they are used.
+those a program may set after importing commlib, read when they are used (:func:`current`: ``COMMLIB_TIMEOUT``
+when a default group is made, the test helper's worker state). ``ddp`` and ``globalview`` read theirs through
+the public :func:`commlib.setting`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Setting:
     parse: Callable[[str], Any]
     doc: str
     shapes_messages: bool = False
+    plumbing: bool = False  # set by the launcher or the test helper for its workers, not by users
 
     def read(self, env: Mapping[str, str]) -> Any:
         """The value in ``env`` (the default where unset or empty); ``ValueError`` naming the variable if bad."""
@@ -77,6 +78,13 @@ def _debug(text: str) -> bool:
 
 def _text(text: str) -> str:
     return text
+
+
+def _megabytes(text: str) -> float:
+    n = float(text)
+    if not n >= 0:
+        raise ValueError("must be a number of megabytes >= 0")
+    return n
 
 
 TABLE: tuple[Setting, ...] = (
@@ -165,7 +173,50 @@ TABLE: tuple[Setting, ...] = (
     ),
     Setting("COMMLIB_STORE_TOKEN", "", _text, "a shared secret every rendezvous store client must present"),
     Setting(
+        "COMMLIB_NCCL_EMULATOR_ADDR",
+        "",
+        _text,
+        "the address the NCCL emulator's bootstrap root advertises (default: MASTER_ADDR if it is this host's, "
+        "else this host's name)",
+    ),
+    Setting(
+        "COMMLIB_NCCL_EMULATOR_TIMEOUT",
+        "300",
+        _seconds,
+        "seconds any blocking step of the NCCL emulator may take (then its communicator fails, as NCCL's would "
+        "report an error)",
+    ),
+    Setting(
         "COMMLIB_DDP_TRACE", "", _text, "a file for ddp's Chrome-trace timeline of backward and bucket all-reduces"
+    ),
+    Setting(
+        "GLOBALVIEW_POOL_MB",
+        "1024",
+        _megabytes,
+        "megabytes of freed buffers globalview keeps per process for its next results (0: none)",
+    ),
+    Setting("COMMLIB_JOB_ID", "", _text, "the job's id (commlib.launch: in flight recorder folders)", plumbing=True),
+    Setting(
+        "COMMLIB_LAUNCH_STATUS",
+        "",
+        _text,
+        "commlib.launch's folder where each worker notes that it dumps its flight recorder on SIGUSR1",
+        plumbing=True,
+    ),
+    Setting(
+        "COMMLIB_MONITOR_STORE",
+        "",
+        _text,
+        "host:port of the job's monitor store (commlib.launch serves one; else world rank 0 does)",
+        plumbing=True,
+    ),
+    Setting("COMMLIB_MONITOR_TOKEN", "", _text, "the monitor store's token", plumbing=True),
+    Setting(
+        "COMMLIB_TESTING_WORKER",
+        "",
+        _text,
+        "commlib.testing's worker state: 'loading' while it imports the module under test, then '1'",
+        plumbing=True,
     ),
 )
 
@@ -188,5 +239,7 @@ def markdown() -> str:
     """:data:`TABLE` as a Markdown table (docs/reliability.md holds a copy; a test keeps them equal)."""
     rows = ["| variable | default | shapes messages | meaning |", "| --- | --- | --- | --- |"]
     for s in TABLE:
-        rows.append(f"| `{s.name}` | `{s.default or '(unset)'}` | {'yes' if s.shapes_messages else 'no'} | {s.doc} |")
+        shapes = "yes" if s.shapes_messages else "no"
+        doc = f"(set by commlib for its workers) {s.doc}" if s.plumbing else s.doc
+        rows.append(f"| `{s.name}` | `{s.default or '(unset)'}` | {shapes} | {doc} |")
     return "\n".join(rows)

@@ -13,11 +13,11 @@ from commlib._group import ProcessGroup
 from commlib._rendezvous import make_world
 from commlib._settings import current
 from commlib._timeouts import as_seconds
+from commlib.backends import Spec, choose
 from commlib.backends.base import Backend
 from commlib.errors import CommTimeoutError
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "GroupMember",
     "destroy_process_group",
     "get_backend",
@@ -38,11 +38,6 @@ __all__ = [
     "resolve",
 ]
 
-#: torch's defaults: 10 minutes for nccl, 30 minutes for everything else (seconds).
-DEFAULT_TIMEOUT = {"nccl": 600.0, "mpi": 1800.0}
-_BACKEND_ALIASES = {"mpi": "mpi", "gloo": "mpi", "cpu": "mpi", "nccl": "nccl"}
-#: Names given to ``Backend.register_backend`` (torch's hook for third-party backends): known, but not run here.
-REGISTERED: dict[str, Any] = {}
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 
@@ -57,7 +52,7 @@ class _State:
         self.store: Any = None  # the rendezvous store the world keeps using (served by rank 0 when it made it)
         self.info: LaunchInfo | None = None
         self.made = 0  # groups made by every rank since the default group was
-        self.asked: str | None = None  # "gloo" when init_process_group was given that name (get_backend says it)
+        self.asked: str | None = None  # the name get_backend() says instead of the engine's ("gloo", a registered one)
         self.destroyed = False  # destroy_process_group() ended the default group: no implicit joining after it
 
 
@@ -71,25 +66,9 @@ def launch_info() -> LaunchInfo:
     return _state.info
 
 
-def _choose_backend(backend: str | None) -> str:
-    if backend is None or str(backend).lower() == "auto":
-        from commlib._rendezvous import emulated
-        from commlib.backends.nccl import nccl_unavailable_reason
-
-        return "nccl" if emulated() or nccl_unavailable_reason() is None else "mpi"
-    if not isinstance(backend, str) or backend.lower() not in _BACKEND_ALIASES:
-        registered = isinstance(backend, str) and backend.lower() in REGISTERED
-        raise ValueError(
-            f"init_process_group: backend must be one of 'mpi', 'gloo', 'nccl', 'auto', got {backend!r}"
-            + (" (registered with Backend.register_backend: a torch ProcessGroup runs through torch.distributed, "
-               "not commlib)" if registered else "")
-        )  # fmt: skip
-    return _BACKEND_ALIASES[backend.lower()]
-
-
-def _default_timeout(name: str) -> float:
+def _default_timeout(spec: Spec) -> float:
     seconds = current("COMMLIB_TIMEOUT")  # read when a default group is made (a program may set it before)
-    return DEFAULT_TIMEOUT[name] if seconds is None else seconds
+    return spec.timeout if seconds is None else seconds
 
 
 def init_process_group(
@@ -114,15 +93,15 @@ def init_process_group(
         raise RuntimeError(
             "init_process_group: the default group is already initialised; call destroy_process_group() first"
         )
-    name = _choose_backend(backend)
+    spec = choose(backend)
     if init_method is not None and not str(init_method).startswith(_INIT_SCHEMES):
         raise ValueError(
             f"init_process_group: init_method must start with env://, tcp:// or file://, got {init_method!r}"
         )
-    seconds = _default_timeout(name) if timeout is None else as_seconds(timeout, "init_process_group")
+    seconds = _default_timeout(spec) if timeout is None else as_seconds(timeout, "init_process_group")
     world, owned = _state.world, None
     if world is None:
-        world, owned = make_world(name, seconds, world_size, rank, init_method or "env://", store)
+        world, owned = make_world(spec, seconds, world_size, rank, init_method or "env://", store)
         _check_at_exit()
     try:
         _check_explicit(world, world_size, rank)  # before anything is recorded: a refused call changes nothing
@@ -134,7 +113,9 @@ def init_process_group(
         _state.store = owned
     world.timeout = seconds
     _state.world, _state.implicit, _state.destroyed = world, False, False
-    _state.asked = "gloo" if isinstance(backend, str) and backend.lower() == "gloo" else None
+    # the name get_backend() reports as torch's does: "gloo" (run on the mpi engine), a registered backend's own
+    gloo = isinstance(backend, str) and backend.lower() == "gloo"
+    _state.asked = "gloo" if gloo else spec.name if spec.name != world.backend_name else None
     if world not in _state.groups:
         _state.groups.insert(0, world)
 
@@ -182,8 +163,8 @@ def _implicit_world(call: str = "") -> ProcessGroup:
             "init_process_group() to make a new one (as in torch.distributed, a call after destroy_process_group() "
             "does not join the job again: only a program's first call does)"
         )
-    name = _choose_backend(None)
-    _state.world, _state.store = make_world(name, _default_timeout(name), -1, -1, "env://", None)
+    spec = choose(None)
+    _state.world, _state.store = make_world(spec, _default_timeout(spec), -1, -1, "env://", None)
     _check_at_exit()
     _state.implicit, _state.groups = True, [_state.world]
     return _state.world
@@ -207,7 +188,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     for g in targets:
         if g.backend is not None and g.broken is None and g is not _state.world:
             g.backend.close()
-        g.backend, g.fused, g.fused_all_reduce, g.sums, g.ready = None, {}, None, None, None
+        g.backend, g.ready = None, None
         if g in _state.groups:
             _state.groups.remove(g)
     _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}
@@ -243,9 +224,9 @@ def _check_at_exit() -> None:
 
 
 def _close_at_exit() -> None:
-    from commlib._diagnostics import monitor
+    from commlib._diagnostics import abort
 
-    if _state.world is None or monitor.raised_uncaught():  # an uncaught exception is the report: none on top
+    if _state.world is None or abort.raised_uncaught():  # an uncaught exception is the report: none on top
         return
     error = _close_all()
     if error is None:
@@ -290,7 +271,7 @@ def new_group(
     members = _check_ranks(world, ranks)
     if sort_ranks:
         members = sorted(members)
-    if backend is not None and _choose_backend(backend) != world.backend_name:
+    if backend is not None and choose(backend).name != world.backend_name:
         raise ValueError(
             f"{world.label}new_group: backend={backend!r} differs from the default group's "
             f"{world.backend_name!r}; groups use the default group's backend"
@@ -360,8 +341,7 @@ def get_backend(group: ProcessGroup | None = None) -> str:
     """The backend name of ``group`` as torch reports it: the name init_process_group was given (``"gloo"``,
     ``"mpi"``, ``"nccl"``), else the engine's (``"mpi"`` or ``"nccl"``); ``"gloo"`` runs on the mpi engine."""
     g = (_state.world if group is None else group) or _implicit_world("get_backend")
-    name = g.backend_name
-    return "gloo" if name == "mpi" and _state.asked == "gloo" else name
+    return _state.asked or g.backend_name
 
 
 def get_global_rank(group: ProcessGroup, group_rank: int) -> int:

@@ -28,16 +28,36 @@ class CommTimeoutError(CommError, TimeoutError):
 
 
 class GroupBrokenError(CommError):
-    """The group failed earlier (e.g. a timeout) and can no longer be used; ``__cause__`` is the original error."""
+    """The group failed (e.g. a timeout, here or on a peer) and can no longer be used.
+
+    ``__cause__`` is the original error of a group that failed here earlier. ``peer`` is the group rank of a
+    peer whose group failed first, ``reason`` what it said (None when this rank's own group failed).
+    """
+
+    def __init__(self, message: str = "", *, peer: int | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.peer, self.reason = peer, reason
 
 
 class CollectiveMismatchError(CommError):
-    """The ranks of a group were not making the same call.
+    """The ranks of a group were not making the same call; the message names the calls.
 
-    Raised on every rank by ``COMMLIB_DEBUG=DETAIL``'s checks (``calls``: rank -> call), and
-    without them when the engine itself fails inside a call (truncation, a schedule error): the
-    message then names the call, its number and this rank's byte count.
+    ``peer``, ``theirs`` and ``mine``: the group rank whose call differs, its call and this rank's, in
+    words, where one peer's call is known (a stamp, a digest); ``calls``: global rank -> call, where every
+    rank's is (``COMMLIB_DEBUG=DETAIL``, a wait where every rank published its call).
     """
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        peer: int | None = None,
+        theirs: str | None = None,
+        mine: str | None = None,
+        calls: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.peer, self.theirs, self.mine, self.calls = peer, theirs, mine, calls
 
 
 class TransportError(CommError):

@@ -12,9 +12,15 @@ from types import ModuleType
 from commlib._group import ProcessGroup
 from commlib._world import resolve, subgroup
 
-__all__ = ["array_module", "subgroup"]
+__all__ = ["array_module", "ordered_p2p", "subgroup"]
 
 
 def array_module(group: ProcessGroup | None = None) -> ModuleType:
     """The array module of ``group``'s buffers: numpy for host memory (mpi, the NCCL emulator), cupy on GPUs."""
     return resolve(group, "commlib.groups.array_module")[0].xp
+
+
+def ordered_p2p(group: ProcessGroup | None = None) -> bool:
+    """Whether ``group``'s sends and receives run in the order each rank posts them (NCCL's stream): then a
+    ring of sends posted one by one deadlocks, and the ops of a batch must be posted together."""
+    return resolve(group, "commlib.groups.ordered_p2p")[1].ordered_p2p

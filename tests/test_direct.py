@@ -163,7 +163,7 @@ def direct_job(native: bool) -> dict:
 )
 def test_large_blocking_calls_post_on_the_callers_arrays(n: int, native: bool) -> None:
     if native and not _c_runner_built():
-        pytest.skip("commlib.backends._ready was not built (no C compiler when commlib was installed)")
+        pytest.skip("commlib.backends._executor was not built (no C compiler when commlib was installed)")
     env = {"COMMLIB_NATIVE": "1" if native else "0"}
     for rank, problems in enumerate(run(direct_job, n, native, timeout=180, env=env)):
         assert problems == {}, f"rank {rank}: {problems}"

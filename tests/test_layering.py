@@ -153,7 +153,7 @@ def test_upper_packages_use_only_commlib_public_api(package: str) -> None:
 def test_only_the_mpi_backend_imports_mpi4py() -> None:
     allowed = {
         ROOT / "commlib" / "backends" / name
-        for name in ("mpi.py", "_mpi.py", "_mpi_world.py", "_native.py", "_waker.py", "_steps.py")
+        for name in ("mpi.py", "_mpi_waits.py", "_mpi_world.py", "_native.py", "_steps.py")
     }
     bad = [v for p in PACKAGES for v in _violations(p, lambda f, n: _top(n) == "mpi4py" and f not in allowed)]
     assert bad == []

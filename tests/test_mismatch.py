@@ -1,17 +1,18 @@
 """Ranks that disagree on a call never end silently: every mismatched program ends in an error naming the call.
 
-The matrix: every collective and send/recv, x every disagreement (the size both ways and by one element, an
-extra call on the root and on another rank, two calls in another order, the root, the dtype with the same
-and with other byte counts, the reduce op) x 8 B, 64 KiB and 4 MiB x 2 and 4 ranks. One job per world size
-runs every scenario on a group of its own, then the group's closing check (what the program's end runs), on
-default settings. Each scenario must end with an error on at least one rank that names the call, within the
-group's timeout + 5 s; none may end with every rank finished and the check passed (an exit 0).
+The matrix: every collective and send/recv, x every disagreement (the size both ways and by one element, an extra
+call on the root and on another rank, two calls in another order, the root, the dtype with the same and with other
+byte counts, the reduce op) x 8 B, 64 KiB and 4 MiB x 2 and 4 ranks, on the mpi backend and on the nccl backend
+(through the emulator). One job per world size runs every scenario on a group of its own, then the group's closing
+check (what the program's end runs), on default settings. Each scenario must end with an error on at least one rank
+that names the call, within the group's timeout + 5 s; none may end with every rank finished and the check passed
+(an exit 0).
 
-Separate jobs then run the programs the issue found ending with exit 0 (a recv into a larger buffer, a
-float32[2n] against float64[n] sum, SUM against MAX, different roots, one extra 8-byte call, scatter against
-gather, two ranks of four broadcasting once more): each must exit non-zero, naming the call.
+Separate jobs then run the programs the issue found ending with exit 0 (a recv into a larger buffer, a float32[2n]
+against float64[n] sum, SUM against MAX, different roots, one extra 8-byte call, scatter against gather, two ranks
+of four broadcasting once more): each must exit non-zero, naming the call.
 
-``python tests/test_mismatch.py 2`` prints the matrix's table for 2 ranks.
+``python tests/test_mismatch.py 2 [mpi|nccl]`` prints the matrix's table for 2 ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import numpy as np
 import pytest
 
 from commlib.testing import run
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference import BACKENDS
 
 TIMEOUT = 2.0
 SIZES = (8, 64 << 10, 4 << 20)
@@ -57,8 +61,6 @@ def applies(kind: str, what: str) -> bool:
         return kind in ROOTED
     if what == "op":
         return kind in REDUCING
-    if what == "dtype same bytes":
-        return kind != "send_recv"  # a message is bytes: torch's recv takes another dtype of the same size too
     return True
 
 
@@ -149,9 +151,9 @@ def scenarios() -> list[tuple[str, str, int]]:
     return [(k, w, s) for k in KINDS for w in DISAGREEMENTS if applies(k, w) for s in SIZES]
 
 
-def _verdicts(n: int) -> list[tuple[tuple[str, str, int], list[tuple]]]:
+def _verdicts(n: int, backend: str = "mpi") -> list[tuple[tuple[str, str, int], list[tuple]]]:
     todo = scenarios()
-    results = run(matrix_job, n, todo, timeout=1500)
+    results = run(matrix_job, n, todo, timeout=1500, env=BACKENDS[backend])
     return [(sc, [results[r][i] for r in range(n)]) for i, sc in enumerate(todo)]
 
 
@@ -160,10 +162,12 @@ def _named(kind: str, message: str) -> bool:
     return call in message or (kind == "send_recv" and "send" in message) or "closing check" in message
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("n", [2, 4])
-def test_every_mismatched_program_ends_in_an_error_naming_the_call(n: int) -> None:
+def test_every_mismatched_program_ends_in_an_error_naming_the_call(n: int, backend: str) -> None:
     silent, unnamed, late = [], [], []
-    for (kind, what, nbytes), ranks in _verdicts(n):
+    verdicts = _verdicts(n, backend)
+    for (kind, what, nbytes), ranks in verdicts:
         errors = [(t, m, s) for t, m, s in ranks if t]
         if not errors:
             silent.append((kind, what, nbytes))
@@ -174,12 +178,20 @@ def test_every_mismatched_program_ends_in_an_error_naming_the_call(n: int) -> No
     assert silent == [], f"scenarios that ended without an error (exit 0): {silent}"
     assert unnamed == [], unnamed
     assert late == [], late
+    # a message of another dtype of the same byte count is a mismatch, named on the receiving rank
+    for (kind, what, nbytes), ranks in verdicts:
+        if (kind, what) == ("send_recv", "dtype same bytes"):
+            assert ranks[1][0] == "CollectiveMismatchError", (nbytes, ranks[1])
 
 
 _PROGRAMS = {
     "recv into a larger buffer": """
         if r == 0: dist.send(np.ones(2, np.float32), 1)
         else: dist.recv(np.zeros(4, np.float32), 0)
+        """,
+    "recv of float64[n] from a send of float32[2n]": """
+        if r == 0: dist.send(np.ones(2, np.float32), 1)
+        else: dist.recv(np.zeros(1, np.float64), 0)
         """,
     "float32[2n] against float64[n], 64 KiB": """
         x = np.ones(16384, np.float32) if r == 0 else np.ones(8192, np.float64)
@@ -242,13 +254,13 @@ def test_the_programs_that_ended_silently_now_fail(name: str, tmp_path: Path) ->
     assert took < TIMEOUT + 30, took  # process start-up included
 
 
-def _table(n: int) -> str:
+def _table(n: int, backend: str) -> str:
     rows = ["| call | disagreement | bytes | outcome (rank: error) | slowest (s) |", "| --- | --- | --- | --- | --- |"]
-    for (kind, what, nbytes), ranks in _verdicts(n):
+    for (kind, what, nbytes), ranks in _verdicts(n, backend):
         cells = [f"{r}: {t or 'ok'}" for r, (t, _, _) in enumerate(ranks)]
         rows.append(f"| {kind} | {what} | {nbytes} | {', '.join(cells)} | {max(s for _, _, s in ranks):.2f} |")
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
-    print(_table(int(sys.argv[1]) if len(sys.argv) > 1 else 2))
+    print(_table(int(sys.argv[1]) if len(sys.argv) > 1 else 2, sys.argv[2] if len(sys.argv) > 2 else "mpi"))

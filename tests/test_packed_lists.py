@@ -23,7 +23,7 @@ def views(n: int, fill: float = 0.0) -> tuple[np.ndarray, list[np.ndarray]]:
 
 def packed_job() -> list[str]:
     import commlib as dist
-    from commlib._collectives import packed
+    from commlib.arrays import packed
 
     n, me = dist.get_world_size(), dist.get_rank()
     mine = np.arange(N, dtype=np.float32) + 10 * me
@@ -93,10 +93,6 @@ def test_lists_of_views_of_one_buffer_give_the_same_results(backend: str, n: int
     assert results == [results[0]] * n and len(results[0]) == 8, results
 
 
-SPANS = ["C", "Python"]  # packed() asks the C module (commlib.backends._ready.span), else finds out in Python
-
-
-@pytest.mark.parametrize("span", SPANS)
 @pytest.mark.parametrize(
     "scenario",
     [
@@ -109,23 +105,17 @@ SPANS = ["C", "Python"]  # packed() asks the C module (commlib.backends._ready.s
         "bfloat16",
     ],
 )
-def test_packed_is_a_view_of_exactly_the_parts(scenario: str, span: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_is_a_view_of_exactly_the_parts(scenario: str) -> None:
     """packed() spans the parts and nothing else, and is writable only where the parts are."""
-    from commlib import _collectives
-    from commlib._collectives import packed
-    from commlib.arrays import bfloat16
+    from commlib.arrays import bfloat16, packed
 
-    if span == "C" and _collectives._span is None:
-        pytest.skip("the C module is not in use here (not built, or COMMLIB_NATIVE=0; test_sums checks it is built)")
-    if span == "Python":
-        monkeypatch.setattr(_collectives, "_span", None)
     if scenario == "a slice of a bigger buffer":
         whole = np.arange(3 * N, dtype=np.float32)[N // 2 :]
         parts = [whole[:N], whole[N : 2 * N]]
     elif scenario == "read-only memory":
         whole = np.frombuffer(np.arange(2 * N, dtype=np.float32).tobytes(), np.float32)
         parts = [whole[:N], whole[N:]]
-    elif scenario == "bfloat16":  # numpy exports no buffer for it: the C module cannot tell, Python does
+    elif scenario == "bfloat16":  # numpy exports no buffer for it: found from the arrays' addresses
         whole = np.arange(2 * N, dtype=np.float32).astype(bfloat16)
         parts = [whole[:N], whole[N:]]
     elif scenario == "rows of a strided root":  # the root is not contiguous: packed still finds the parts

@@ -11,7 +11,9 @@ import pytest
 
 from commlib._ops import ReduceOp
 from commlib.backends import _stamp
-from commlib.backends._plans import IN, OUT, TMP, Copy, Plan, Reduce, plan
+from commlib.backends._call import KINDS, OP_CODES, Call
+from commlib.backends._plans import IN, OUT, TMP, Copy, Plan, Reduce
+from commlib.backends._plans import plan as _plan
 
 SMALL, PIECE = 64, 256
 F32 = np.dtype(np.float32)
@@ -34,6 +36,12 @@ def _cases(n: int) -> list[tuple[str, dict]]:
     cases.append(("barrier", {}))
     cases.append(("close", {}))
     return cases
+
+
+def plan(kind, rank, size, dtype=None, count=0, op=None, root=-1, *, small, piece=0, in_place=False, peer=-1):  # type: ignore[no-untyped-def]
+    """The plan of a call given as its fields (a send's or receive's ``peer``)."""
+    call = Call(kind, dtype, count, op, peer if kind in ("send", "recv") else root)
+    return _plan(call, rank, size, small=small, piece=piece, in_place=in_place)
 
 
 def _plans(n: int, kind: str, kw: dict) -> list[Plan]:
@@ -106,10 +114,10 @@ def test_stamps_say_what_must_agree() -> None:
     p = plan("reduce", 1, 3, F32, 5, ReduceOp.MAX, 2, small=SMALL)
     raw = p.stamp(1, 7, 20)
     magic, kind, _, op, step, root, seq, count, nbytes = _stamp.unpack(raw)
-    assert (magic, _stamp.KINDS[kind - 1], op, step, root, seq, count, nbytes) == (
+    assert (magic, KINDS[kind - 1], op, step, root, seq, count, nbytes) == (
         _stamp.MAGIC,
         "reduce",
-        _stamp.OP_CODES[ReduceOp.MAX],
+        OP_CODES[ReduceOp.MAX],
         1,
         2,
         7,
@@ -117,16 +125,21 @@ def test_stamps_say_what_must_agree() -> None:
         20,
     )
     assert _stamp.describe(raw) == "reduce #7 (float32, 5 elements, MAX, root 2, 20 bytes)"
-    # sends and receives stamp only their byte count: a receive of another size is refused, another dtype is not
+    # a send and its receive stamp their message: its dtype and count (no peer, no tag), so a receive of another
+    # dtype of the same byte count is refused as one of another size is
     s = plan("send", 0, 2, F32, 4, peer=1, small=SMALL).stamp(1, 0, 16)
-    r = plan("recv", 1, 2, np.dtype(np.int32), 4, peer=0, small=SMALL).stamp(1, 0, 16)
-    assert s == r and _stamp.describe(s) == "a message of 16 bytes (send)"
+    r = plan("recv", 1, 2, F32, 4, peer=0, small=SMALL).stamp(1, 0, 16)
+    other = plan("recv", 1, 2, np.dtype(np.int32), 4, peer=0, small=SMALL).stamp(1, 0, 16)
+    half = plan("recv", 1, 2, np.dtype(np.float64), 2, peer=0, small=SMALL).stamp(1, 0, 16)
+    assert s == r and s != other and s != half
+    assert _stamp.describe(s) == "a message (float32, 4 elements, 16 bytes)"
+    assert _stamp.describe(half) == "a message (float64, 2 elements, 16 bytes)"
 
 
 def test_stamp_op_codes_follow_the_c_executor() -> None:
     """_steps.c numbers the ops as ReduceOp lists them, from 1 (its O_* enum)."""
-    assert [op.name for op in _stamp.OP_CODES] == ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]
-    assert list(_stamp.OP_CODES.values()) == list(range(1, 9))
+    assert [op.name for op in OP_CODES] == ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"]
+    assert list(OP_CODES.values()) == list(range(1, 9))
 
 
 def test_the_encoding_holds_the_whole_plan() -> None:

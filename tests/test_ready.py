@@ -1,8 +1,8 @@
-"""The group layer's ready path: a blocking call reruns the backend's executor of its description (``Backend.sums``
-for the hottest call, a SUM all_reduce by (shape, dtype); ``Backend.residents`` for the others). The lookups must
-follow the backend's cache they mirror (evictions, timeouts) and the group's state (broken, destroyed,
-COMMLIB_DEBUG=DETAIL), or a call would start a freed or abandoned executor; and the executor in C and in Python
-must both serve them."""
+"""The group layer's ready path: a blocking call reruns the backend's executor of its description, found in
+``Backend.ready`` by the key its public function builds from its arguments (the hottest call, a SUM all_reduce, by
+its byte count). The table must follow the backend's cache (evictions, timeouts) and the group's state (broken,
+destroyed, COMMLIB_DEBUG=DETAIL), or a call would start a freed or abandoned executor; and the executor in C and
+in Python must both serve it."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from commlib.testing import run
 def lookup_job() -> list[str]:
     import commlib as dist
     from commlib._world import _state
+    from commlib.backends._call import Call
 
     me, n = dist.get_rank(), dist.get_world_size()
     g = _state.world
     cache = g.backend
-    assert g.sums is cache.summed
+    assert g.ready is cache.ready
     seen = []
     # each shape and dtype gets its own entry; repeated calls reuse it and stay correct
     for shape, dtype in [((2,), np.float32), ((3, 2), np.int64), ((2,), np.float64), ((5,), np.float16)]:
@@ -27,33 +28,31 @@ def lookup_job() -> list[str]:
             x = np.full(shape, me + step, dtype)
             dist.all_reduce(x)
             np.testing.assert_array_equal(x, np.full(shape, sum(range(n)) + n * step, dtype))
-        assert (
-            cache.summed[int(np.prod(shape)) * np.dtype(dtype).itemsize]
-            is cache.ops["all_reduce", shape, np.dtype(dtype), dist.ReduceOp.SUM]
-        )
+        call = Call("all_reduce", np.dtype(dtype), int(np.prod(shape)), dist.ReduceOp.SUM)
+        assert cache.ready[call.nbytes()] is cache.ops[call, False]
         seen.append(f"{np.dtype(dtype).name}{list(shape)}")
     # other ops and out-of-place calls never enter the lookup
     y = np.full(2, me + 1, np.float32)
     dist.all_reduce(y, op=dist.ReduceOp.MAX)
-    assert y.tolist() == [n, n] and len(cache.summed) == 4
+    assert y.tolist() == [n, n] and len([k for k in cache.ready if type(k) is int]) == 4
     # eviction: a full cache frees its oldest operation and the lookup forgets it too
     cache.limit = len(cache.ops)
     oldest = next(iter(cache.ops))
     z = np.full(7, me, np.int32)
     dist.all_reduce(z)
     assert z.tolist() == [sum(range(n))] * 7
-    assert oldest not in cache.ops and int(np.prod(oldest[1])) * oldest[2].itemsize not in cache.summed
-    assert set(cache.summed.values()) <= set(cache.ops.values())
+    assert oldest not in cache.ops and oldest[0].nbytes() not in cache.ready
+    assert set(cache.ready.values()) <= set(cache.ops.values())
     x = np.full(2, me, np.float32)  # the evicted shape again: made anew, correct
     dist.all_reduce(x)
-    assert x.tolist() == [sum(range(n))] * 2 and 8 in cache.summed  # (by byte count)
+    assert x.tolist() == [sum(range(n))] * 2 and 8 in cache.ready  # (by byte count)
     # a timeout abandons the operation: gone from the cache and the lookup, group fenced
     sub = dist.new_group([0, 1], timeout=1.0)
     if me < 2:
         sg = sub
         w = np.ones(3, np.float32)
         dist.all_reduce(w, group=sg)
-        assert sg.sums[12] is not None
+        assert sg.ready[12] is not None
         if me == 0:  # rank 1 never makes this call
             try:
                 dist.all_reduce(np.ones(4, np.float32), group=sg, async_op=False)
@@ -62,7 +61,7 @@ def lookup_job() -> list[str]:
                 seen.append("fenced")
             else:
                 raise AssertionError("no timeout")
-            assert sg.sums is None and 16 not in sg.backend.summed
+            assert sg.ready is None and 16 not in sg.backend.ready
             with pytest.raises(dist.CommError, match="failed earlier"):
                 dist.all_reduce(w, group=sg)
     # the same on a call the lookup itself runs (its shape is ready): it times out, forgets, fences
@@ -70,19 +69,19 @@ def lookup_job() -> list[str]:
     if me < 2:
         v = np.ones(6, np.float32)
         dist.all_reduce(v, group=sub2)
-        ready = sub2.sums[24]
+        ready = sub2.ready[24]
         if me == 0:  # rank 1 makes one call fewer
             v[:] = 5
             with pytest.raises(dist.CommTimeoutError, match="all_reduce"):
                 dist.all_reduce(v, group=sub2)
             assert v.tolist() == [5] * 6  # a failed call leaves the buffer untouched
-            assert sub2.sums is None and ready not in sub2.backend.summed.values()
+            assert sub2.ready is None and ready not in sub2.backend.ready.values()
             seen.append("fast path fenced")
     dist.barrier()
     for left in (sub, sub2):  # rank 0 made a call more on each: tear them down without their closing check
         dist.destroy_process_group(left)
     dist.destroy_process_group()
-    assert g.sums is None
+    assert g.ready is None
     return seen
 
 
@@ -100,7 +99,7 @@ def detail_job() -> bool:
     x = np.ones(2, np.float32)
     dist.all_reduce(x)
     assert x.tolist() == [dist.get_world_size()] * 2
-    return _state.world.sums is None
+    return _state.world.ready is None
 
 
 def test_detail_mode_checks_every_call_so_it_has_no_lookup() -> None:
@@ -109,7 +108,7 @@ def test_detail_mode_checks_every_call_so_it_has_no_lookup() -> None:
 
 def ready_job(native: bool) -> dict:
     """broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (even and
-    uneven), gather, scatter, barrier, send and recv through Backend.residents, each run by the C executor
+    uneven), gather, scatter, barrier, send and recv through Backend.ready, each run by the C executor
     (``native``) or in Python (COMMLIB_NATIVE=0): scenario -> problem."""
     import commlib as dist
     from commlib._world import _state
@@ -209,27 +208,26 @@ def ready_job(native: bool) -> dict:
             check(f"recv #{step}", buf.tolist(), [float(step)] * 3)
             dist.send(buf + 1, dst=0, tag=6)
     ready = g.ready
-    # entries by byte count: float32 (24 bytes) and the three 16-bit dtypes (12 bytes, one entry: the last made;
+    # entries by byte count: float32 (24 bytes) and the three 16-bit dtypes (12 bytes, one entry: the first made;
     # a call of another dtype of that size is not its executor's, and takes the generic path)
     want = {"broadcast": 2 * n, "reduce": 2 * n, "all_gather": 2, "reduce_scatter": 2, "all_to_all": 2}
-    want.update(gather=2 * n, scatter=2 * n, barrier=1, all_to_all_v=4, send=int(me < 2), recv=int(me < 2))
-    # (the job monitor's set-up broadcast of the store's address, uint8, has an entry of its own)
-    monitor = [e for e in ready["broadcast"] if e[0] == 256]  # the monitor's 256 bytes
-    check("entries", {k: len(v) - (len(monitor) if k == "broadcast" else 0) for k, v in ready.items()}, want)
-    ops = [op for t in ready.values() for op in t.values()]
+    want.update(gather=2 * n, scatter=2 * n, barrier=1, all_to_all_v=2)
+    want.update({"send": 1, "recv": 1} if me < 2 else {})  # ranks 0 and 1 exchange messages
+    check("entries", _tables(ready), want)
+    ops = list(ready.values())
     runners = {type(op).__name__ for op in ops}
     check("executor", runners, {"NativeSteps"} if native else {"Steps"})
     check("C executor set up", _native.Steps is not None, native)
     check("the executors' own type", all(isinstance(op, (_steps.Steps, _steps.NativeSteps)) for op in ops), True)
     # the lookup stays a mirror of the cache: every entry is a live operation of it
     live = set(g.backend.ops.values())
-    check("mirror", all(op in live for t in ready.values() for op in t.values()), True)
+    check("mirror", all(op in live for op in ready.values()), True)
     # a call that times out on the ready path: fenced, output untouched, operation forgotten
     sub = dist.new_group([0, 1], timeout=1.0)
     if me < 2:
         out = np.zeros(2 * 2, np.float32)
         dist.all_gather_into_tensor(out, np.ones(2, np.float32), group=sub)
-        op = sub.ready["all_gather"][8, 16]
+        op = sub.ready[("all_gather", 8, 16)]
         if me == 0:  # rank 1 makes one call fewer
             out[:] = 7
             try:
@@ -246,8 +244,8 @@ def ready_job(native: bool) -> dict:
         x, got, splits = np.arange(3, dtype=np.float32), np.zeros(3, np.float32), ([1, 2], [2, 1])[me]
         for _ in range(2):
             dist.all_to_all_single(got, x, splits, splits, group=sub2)
-        key = (12, 12, (tuple(splits), tuple(splits)))  # by byte counts, and the splits
-        op = sub2.ready["all_to_all_v"][key]
+        key = ("all_to_all", 12, 12, tuple(splits), tuple(splits))  # by byte counts, and the splits
+        op = sub2.ready[key]
         if me == 0:  # rank 1 makes one call fewer
             got[:] = 7
             try:
@@ -268,7 +266,7 @@ def ready_job(native: bool) -> dict:
             else:
                 dist.send(np.full(3, step, np.float32), dst=0, tag=7, group=sub3)
         if me == 0:
-            check("recv ready", len(sub3.ready["recv"]), 1)
+            check("recv ready", _tables(sub3.ready).get("recv"), 1)
             buf[:] = 7
             try:
                 dist.recv(buf, src=1, tag=7, group=sub3)
@@ -285,9 +283,18 @@ def ready_job(native: bool) -> dict:
     return problems
 
 
+def _tables(ready: dict) -> dict[str, int]:
+    """How many entries of each kind the ready table has (an uneven all_to_all: ``all_to_all_v``)."""
+    out: dict[str, int] = {}
+    for key in ready:
+        kind = "all_reduce" if type(key) is int else "all_to_all_v" if len(key) == 5 else key[0]
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def _c_runner_built() -> bool:
     try:
-        import commlib.backends._ready  # noqa: F401
+        import commlib.backends._executor  # noqa: F401
     except ImportError:
         return False
     return True
@@ -298,14 +305,14 @@ def _c_runner_built() -> bool:
 )
 def test_collectives_run_ready_operations(n: int, native: bool) -> None:
     if native and not _c_runner_built():
-        pytest.skip("commlib.backends._ready was not built (no C compiler when commlib was installed)")
+        pytest.skip("commlib.backends._executor was not built (no C compiler when commlib was installed)")
     env = {"COMMLIB_NATIVE": "1" if native else "0"}
     for rank, problems in enumerate(run(ready_job, n, native, timeout=120, env=env)):
         assert problems == {}, f"rank {rank}: {problems}"
 
 
 def test_the_c_executor_is_built_where_a_compiler_is() -> None:
-    """pip builds commlib.backends._ready where it finds a C compiler; a build that silently failed would
+    """pip builds commlib.backends._executor where it finds a C compiler; a build that silently failed would
     leave every call slower (the Python executor)."""
     import shutil
     import sysconfig
@@ -313,4 +320,4 @@ def test_the_c_executor_is_built_where_a_compiler_is() -> None:
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(compiler) is None:
         pytest.skip(f"no C compiler ({compiler}) here: commlib runs its plans in Python")
-    assert _c_runner_built(), "a C compiler is here but commlib.backends._ready is not built: pip install -e . again"
+    assert _c_runner_built(), "a C compiler is here but commlib.backends._executor is not built: pip install -e . again"

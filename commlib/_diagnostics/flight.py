@@ -25,11 +25,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from commlib._settings import current
 from commlib._settings import value as setting
 
-__all__ = ["COMPLETED", "FAILED", "STARTED", "dump", "entries", "install_signal", "now", "ring", "summarize", "waiting"]
+__all__ = ["COMPLETED", "FAILED", "STARTED", "Record", "dump", "entries", "install_signal", "now", "ring", "summarize"]
 
 STARTED, COMPLETED, FAILED = "started", "completed", "failed"
 EXIT_REASON = "the program ended (normal exit)"  # the launcher removes these dumps after a job that succeeded
@@ -41,8 +42,19 @@ def _size() -> int:
     return int(setting("COMMLIB_FLIGHT_RECORDER_SIZE"))
 
 
+class Record(NamedTuple):
+    """A collective's start in the ring. Written as a plain tuple of these fields, in this order (the blocking
+    hot path writes its literal: :meth:`commlib._group.ProcessGroup.run_ready`), read as a Record."""
+
+    group: Any  #: the ProcessGroup
+    call: str  #: the public call (``all_gather_into_tensor``)
+    desc: Any  #: its description (``commlib.backends._call.Call``), or None
+    seq: int  #: its number on the group
+    start: int  #: :func:`now` at its start
+
+
 class Ring:
-    """The preallocated ring: ``starts[i] = (group, call, dtype, count, seq, t0)``, ``ends[i] = t1`` or ``-t1``.
+    """The preallocated ring: ``starts[i]`` a :class:`Record`'s fields, ``ends[i] = t1`` or ``-t1``.
 
     A slot is not cleared when it is reused: an end older than the start belongs to
     the slot's previous occupant, so the new one is still running.
@@ -56,16 +68,21 @@ class Ring:
         self.ends: list[int] = [0] * max(size, 1)
         self.slots = itertools.cycle(range(self.size or 1))  # next(slots): the slot to write (no modulo)
 
-    def start(self, group: Any, call: str, dtype: Any, count: int, seq: int) -> int:
+    def start(self, group: Any, call: str, desc: Any, seq: int) -> int:
         """Record a collective that starts now; return its slot (for :meth:`end`)."""
         i = next(self.slots)
-        self.starts[i] = (group, call, dtype, count, seq, now())
+        self.starts[i] = (group, call, desc, seq, now())
         return i
+
+    def record(self, slot: int) -> Record | None:
+        """What ``slot`` holds (None: nothing yet)."""
+        entry = self.starts[slot]
+        return None if entry is None else Record(*entry)
 
     def end(self, slot: int, group: Any, seq: int, ok: bool = True) -> None:
         """Record the end of the collective in ``slot`` (unless the ring has moved past it)."""
-        entry = self.starts[slot]
-        if entry is not None and entry[0] is group and entry[4] == seq:
+        entry = self.record(slot)
+        if entry is not None and entry.group is group and entry.seq == seq:
             self.ends[slot] = now() if ok else -now()
 
 
@@ -81,20 +98,22 @@ def _state(t0: int, t1: int) -> str:
 def entries() -> list[dict[str, Any]]:
     """The recorded collectives, oldest first, as plain dicts."""
     out = []
-    for i, entry in enumerate(ring.starts):
-        if entry is None:
+    for i in range(len(ring.starts)):
+        r = ring.record(i)
+        if r is None:
             continue
-        group, call, dtype, count, seq, t0 = entry
-        t1 = ring.ends[i]
+        t0, t1, desc = r.start, ring.ends[i], r.desc
         state = _state(t0, t1)
         out.append(
             {
-                "group": getattr(group, "name", str(group)),
-                "ranks": list(getattr(group, "ranks", [])),
-                "op": call,
-                "dtype": None if dtype is None else str(dtype),
-                "count": count,
-                "seq": seq,
+                "group": getattr(r.group, "name", str(r.group)),
+                "ranks": list(getattr(r.group, "ranks", [])),
+                "op": r.call,
+                "dtype": None if desc is None or desc.dtype is None else str(desc.dtype),
+                "count": 0 if desc is None else desc.count,
+                "reduce_op": None if desc is None or desc.op is None else desc.op.name,
+                "root": None if desc is None or desc.root < 0 else desc.root,
+                "seq": r.seq,
                 "state": state,
                 "start_ns": t0 + _EPOCH_NS,
                 "end_ns": abs(t1) + _EPOCH_NS if state != STARTED else None,
@@ -105,16 +124,6 @@ def entries() -> list[dict[str, Any]]:
     return out
 
 
-def waiting() -> tuple[Any, str, int] | None:
-    """(group, call, seq) of the oldest collective still running, or None (used on slow paths only)."""
-    oldest = None
-    for i, entry in enumerate(ring.starts):
-        running = entry is not None and _state(entry[5], ring.ends[i]) == STARTED
-        if running and (oldest is None or entry[5] < oldest[5]):
-            oldest = entry
-    return None if oldest is None else (oldest[0], oldest[1], oldest[4])
-
-
 def set_job(rank: int, world_size: int, job: str) -> None:
     """Remember who this process is, for the dump's header and file name."""
     _meta.update(rank=rank, world_size=world_size, job=job)
@@ -122,7 +131,7 @@ def set_job(rank: int, world_size: int, job: str) -> None:
 
 def dump_dir() -> Path:
     """Where dumps go: ``COMMLIB_FLIGHT_DIR``, else ``$TMPDIR/commlib-flight-<job id>``."""
-    folder = os.environ.get("COMMLIB_FLIGHT_DIR")
+    folder = current("COMMLIB_FLIGHT_DIR")
     if folder:
         return Path(folder)
     return Path(tempfile.gettempdir()) / f"commlib-flight-{_meta['job'] or os.getpid()}"
@@ -161,7 +170,7 @@ def install_signal() -> None:
     ``commlib.launch``, also at a normal exit (a rank that finished is then in the summary of a failed job)."""
     if not enabled:
         return
-    if os.environ.get("COMMLIB_LAUNCH_STATUS") and not _meta.get("atexit"):
+    if setting("COMMLIB_LAUNCH_STATUS") and not _meta.get("atexit"):
         _meta["atexit"] = True
         atexit.register(_dump_at_exit)  # runs before MPI_Finalize (atexit is last in, first out)
     if not setting("COMMLIB_FLIGHT_SIGNAL"):
@@ -182,7 +191,7 @@ def _dump_at_exit() -> None:
 
 def _note_launcher() -> None:
     """Tell commlib.launch that this rank dumps on SIGUSR1 (it sends it only to ranks that do)."""
-    folder = os.environ.get("COMMLIB_LAUNCH_STATUS")
+    folder = setting("COMMLIB_LAUNCH_STATUS")
     if folder:
         with contextlib.suppress(OSError):
             Path(folder, f"rank{os.environ.get('RANK', 'x')}.flight").write_text(str(os.getpid()))

@@ -31,6 +31,7 @@ from commlib.arrays._intake import (
     to_device,
     to_host,
 )
+from commlib.arrays._lists import packed, unpack
 
 __all__ = [
     "DTYPES",
@@ -44,10 +45,12 @@ __all__ = [
     "kind",
     "numpy_dtype",
     "op_error",
+    "packed",
     "reject",
     "same_kind",
     "strided_view",
     "to_device",
     "to_host",
     "torch_dtype",
+    "unpack",
 ]

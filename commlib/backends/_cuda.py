@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from commlib._settings import current
 from commlib.errors import BackendUnavailableError
 
-__all__ = ["device_count", "load", "nccl_unavailable_reason"]
+__all__ = ["device_count", "emulated", "load", "nccl_unavailable_reason", "unavailable"]
 
 
 def nccl_unavailable_reason() -> str | None:
@@ -34,6 +35,24 @@ def nccl_unavailable_reason() -> str | None:
     except Exception as e:  # any CUDA failure means "not usable"; say which
         return f"CUDA is not usable: {e}"
     return None
+
+
+def emulated() -> bool:
+    """True when ``COMMLIB_NCCL_EMULATOR=1`` selects the CPU emulator for the nccl backend (read when asked)."""
+    return bool(current("COMMLIB_NCCL_EMULATOR"))
+
+
+def unavailable() -> str | None:
+    """Why the nccl backend cannot run here, with what to do instead; None: it can (a GPU, or the emulator)."""
+    if emulated():
+        return None
+    why = nccl_unavailable_reason()
+    if why is None:
+        return None
+    return (
+        f"backend 'nccl' cannot run: {why}. Use backend='mpi' for host arrays, or set COMMLIB_NCCL_EMULATOR=1 "
+        "to run the nccl backend on the CPU emulator"
+    )
 
 
 def load(emulated: bool) -> tuple[Any, Any, Any, bool]:

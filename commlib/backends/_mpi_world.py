@@ -5,15 +5,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
 
 from commlib.backends.mpi import MpiBackend
-from commlib.errors import CommError, CommTimeoutError
+from commlib.errors import BackendUnavailableError, CommError, CommTimeoutError
 
-__all__ = ["abort", "join_nodes", "join_singletons", "world"]
+__all__ = ["join_nodes", "join_singletons", "launched", "world"]
 
 _GREETING = 7  # the tag of the joiner's and the root's greetings (the intercommunicator carries nothing else)
 #: seconds a joiner waits beyond what node 0 allows itself, so that node 0 always gives up first: a joiner
@@ -169,9 +170,26 @@ def world() -> MpiBackend:
     return MpiBackend(MPI.COMM_WORLD)
 
 
-def abort(backend: MpiBackend) -> None:
-    """End the whole job: MPI_Abort on ``backend``'s communicator (every process connected to it)."""
-    backend.comm.Abort(1)
+def launched(info: Any, timeout: float, open_store: Callable[[], Any]) -> MpiBackend:
+    """The MPI world of a job an MPI launcher started: ``MPI.COMM_WORLD``, or (``commlib.launch --nnodes N``:
+    one MPI world per node) the nodes' worlds joined through the job's rendezvous store (``open_store()``,
+    closed after). Refused (``BackendUnavailableError``) when MPI's world is not the job the environment
+    describes."""
+    backend = world()
+    if backend.size < info.world_size and info.num_nodes > 1 and backend.size == info.local_world_size:
+        store = open_store()
+        try:
+            backend = join_nodes(backend, info.node_rank, info.num_nodes, info.rank, store, timeout)
+        except CommError as e:  # CommTimeoutError included: the same type, saying who
+            raise type(e)(f"init_process_group: rank {info.rank} (from {info.source}): {e}") from None
+        finally:
+            store.close()
+    if backend.size != info.world_size and info.world_size > 1:
+        raise BackendUnavailableError(
+            f"init_process_group: the environment ({info.source}) says this is rank {info.rank} of "
+            f"{info.world_size}, but MPI's world has {backend.size} processes: start every rank with one launcher"
+        )
+    return backend
 
 
 def join_singletons(store: Any, rank: int, size: int, timeout: float) -> MpiBackend:

@@ -1,22 +1,24 @@
-"""commlib's C module for MPI (``commlib/backends/_ready.c``, ``_steps.c``), set up once with the MPI library
+"""commlib's C module for MPI (``commlib/backends/_executor.c``, ``_steps.c``), set up once with the MPI library
 mpi4py loaded.
 
-:data:`Steps` is the C executor of a plan (:mod:`commlib.backends._plans`); :data:`spin` tests a request in a
-loop without the GIL until it completes or a deadline passes. Both are None where the module was not built
-(no C compiler or numpy headers at install), MPI's handles are not ints (MPICH's ABI), MPI lacks a function
-it needs, or ``COMMLIB_NATIVE=0``: the same plans then run in Python (:class:`commlib.backends._steps.Steps`)
-and waits use :class:`commlib.backends._waker.Waker`.
+:data:`Steps` is the C executor of a plan (:mod:`commlib.backends._plans`); None where the module was not built
+(no C compiler or numpy headers at install), MPI's handles are not ints (MPICH's ABI), MPI lacks a function it
+needs, its constants differ from Python's (a stale build), or ``COMMLIB_NATIVE=0``: the same plans then run in
+Python (:class:`commlib.backends._steps.Steps`), exchanging the same messages.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from mpi4py import MPI
 
 from commlib._settings import value as setting
+from commlib.backends import _plans, _stamp
+from commlib.backends._call import OP_CODES
 
-__all__ = ["Steps", "module", "spin"]
+__all__ = ["Steps", "expected", "handle", "module"]
 
 #: the functions the C module calls, in setup()'s order
 _FUNCTIONS = (
@@ -25,24 +27,44 @@ _FUNCTIONS = (
 )
 
 
+def expected() -> dict[str, int]:
+    """The numbers the C executor must share with Python (its ``CONSTANTS``)."""
+    from commlib.backends._steps import TAG_SPAN
+
+    ops = {op.name: code for op, code in OP_CODES.items()}
+    codes = {"COPY": _plans.COPY_CODE, "REDUCE": _plans.REDUCE_CODE}
+    return (
+        {"STAMP": _stamp.SIZE, "TAG_SPAN": TAG_SPAN, "IN": _plans.IN, "OUT": _plans.OUT, "TMP": _plans.TMP}
+        | codes
+        | ops
+    )
+
+
 def _module() -> Any:
-    """commlib.backends._ready, set up; None where it cannot serve (see the module docstring)."""
+    """commlib.backends._executor, set up; None where it cannot serve (see the module docstring)."""
     if not setting("COMMLIB_NATIVE"):
         return None
     try:
         import ctypes
         import importlib
 
-        ready = importlib.import_module("commlib.backends._ready")  # built or not: no static import
-        lib = ctypes.CDLL(MPI.__file__)  # finds MPI's functions in the MPI library mpi4py links
+        c = importlib.import_module("commlib.backends._executor")  # built or not: no static import
+        lib = ctypes.CDLL(MPI.__file__)  # finds MPI's functions in the MPI library mpi4py loads
         addresses = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _FUNCTIONS)
-        sample = MPI.Request()
-        offset = MPI._addressof(sample) - id(sample)  # where a Request object keeps its handle
         sizes = (MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status), MPI._sizeof(MPI.Comm))
-        ready.setup(addresses, *sizes, handle(MPI.BYTE), MPI.Exception, MPI.Request, offset)
+        c.setup(addresses, *sizes, handle(MPI.BYTE), MPI.Exception)
     except (ImportError, OSError, AttributeError, ValueError, TypeError):
         return None
-    return ready
+    if expected() != c.CONSTANTS:
+        differ = {k: (v, expected().get(k)) for k, v in c.CONSTANTS.items() if expected().get(k) != v}
+        warnings.warn(
+            f"commlib: the C executor's constants differ from Python's ({differ}: a stale build? pip install -e . "
+            "again); running the Python executor",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return c
 
 
 def handle(obj: Any) -> int:
@@ -54,5 +76,3 @@ def handle(obj: Any) -> int:
 module = _module()
 #: ``Steps(plan, comm, small, tag, dtype, op, count, reducer, mismatch, block, stamps)``: the C executor
 Steps: Any = None if module is None else module.Steps
-#: ``spin(request, seconds) -> bool | None``: True done, False time is up, None another thread spins
-spin: Any = None if module is None else module.spin

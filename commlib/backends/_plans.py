@@ -33,11 +33,12 @@ import numpy as np
 
 from commlib._ops import ReduceOp
 from commlib.backends import _stamp
+from commlib.backends._call import Call, describe
 
-__all__ = ["IN", "OUT", "TMP", "Copy", "Msg", "Plan", "Reduce", "Step", "plan"]
+__all__ = ["COPY_CODE", "IN", "OUT", "REDUCE_CODE", "TMP", "Copy", "Msg", "Plan", "Reduce", "Step", "plan"]
 
 IN, OUT, TMP = 1, 2, 3  # the byte regions a plan addresses
-_COPY, _REDUCE = 1, 2  # action codes of the flat encoding
+COPY_CODE, REDUCE_CODE = 1, 2  # action codes of the flat encoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +81,9 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A call's whole algorithm on one rank, and what its stamps say."""
+    """A call's whole algorithm on one rank, and the description its stamps carry."""
 
-    kind: str
-    dtype: np.dtype | None  # the callers' dtype (None: no data)
-    op: ReduceOp | None  # the reduce op the stamps name (AVG included)
-    root: int  # group rank, -1: none
-    count: int  # the elements every rank agrees on (stamped)
+    call: Call  # the call (its stamps: what every rank agrees on, a send's and a receive's message alike)
     in_len: int
     out_len: int
     tmp: int  # bytes of scratch
@@ -95,26 +92,21 @@ class Plan:
     #: other); calls whose input *is* their output (in place by design: all_reduce, reduce, broadcast) do not
     copy_in: bool = False
 
+    @property
+    def dtype(self) -> np.dtype | None:
+        return self.call.dtype
+
+    @property
+    def op(self) -> ReduceOp | None:
+        return self.call.op
+
     def stamp(self, step: int, seq: int, nbytes: int) -> bytes:
         """The stamp of a message of ``step`` (1-based) of call ``seq``."""
-        if self.kind == "send":
-            return _stamp.pack(_stamp.KIND_CODE["send"], 0, 0, 0, -1, 0, 0, nbytes)
-        return _stamp.pack(
-            _stamp.KIND_CODE[self.kind],
-            0 if self.dtype is None else _stamp.DTYPE_CODES[self.dtype],
-            0 if self.op is None else _stamp.OP_CODES[self.op],
-            step,
-            self.root,
-            seq,
-            self.count,
-            nbytes,
-        )
+        return _stamp.pack(self.call, step, seq, nbytes)
 
     def describe(self, seq: int) -> str:
         """This call in its stamps' words (without a byte count)."""
-        if self.kind == "send":
-            return f"a message of {self.out_len or self.in_len} bytes (send or recv)"
-        return _stamp.call_text(self.kind, seq, self.dtype, self.op, self.root, self.count)
+        return describe(self.call, seq)
 
     def encode(self) -> np.ndarray:
         """The plan as int64s, for the C executor: [steps, tmp, in_len, out_len, copy_in], then per step [recvs, sends,
@@ -127,9 +119,9 @@ class Plan:
                 out += [m.peer, m.buf, m.off, m.nbytes]
             for a in (*s.early, *s.after):
                 if isinstance(a, Copy):
-                    out += [_COPY, *a.dst, *a.src, a.nbytes]
+                    out += [COPY_CODE, *a.dst, *a.src, a.nbytes]
                 else:
-                    out += [_REDUCE, *a.dst, a.count, len(a.srcs)]
+                    out += [REDUCE_CODE, *a.dst, a.count, len(a.srcs)]
                     for src in a.srcs:
                         out += list(src)
         return np.array(out, np.int64)
@@ -140,42 +132,28 @@ def _cuts(count: int, n: int) -> list[int]:
     return [count * j // n for j in range(n + 1)]
 
 
-def plan(
-    kind: str,
-    rank: int,
-    size: int,
-    dtype: np.dtype | None = None,
-    count: int = 0,
-    op: ReduceOp | None = None,
-    root: int = -1,
-    *,
-    small: int,
-    piece: int = 0,
-    counts: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-    in_place: bool = False,
-    peer: int = -1,
-) -> Plan:
-    """The plan of one call on group rank ``rank`` of ``size``.
+def plan(call: Call, rank: int, size: int, *, small: int, piece: int = 0, in_place: bool = False) -> Plan:
+    """The plan of ``call`` on group rank ``rank`` of ``size``.
 
-    ``count``: all_reduce's, reduce's and broadcast's elements; all_gather's, gather's and scatter's per rank;
-    reduce_scatter's output elements; all_to_all's block (``counts``: uneven send and receive counts); a send's
-    or receive's elements (with ``peer``; kind "send" or "recv"). ``in_place``: all_gather's input is this
-    rank's chunk of the output. ``small``: the agreed byte size up to which small algorithms run;
-    ``piece``: an all_reduce's piece size (0: none).
+    ``in_place``: all_gather's input is this rank's chunk of the output. ``small``: the agreed byte size up to
+    which small algorithms run; ``piece``: an all_reduce's piece size (0: none). A send's or receive's peer is
+    ``call.root``.
     """
-    z = 0 if dtype is None else dtype.itemsize
-    builder = _BUILDERS[kind]
-    steps, in_len, out_len, tmp, agreed = builder(rank, size, z, count, root, small, piece, counts, in_place, peer)
-    stamped = "send" if kind in ("send", "recv") else kind
-    copy_in = kind in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
-    return Plan(stamped, dtype, op, root, agreed, in_len, out_len, tmp, tuple(steps), copy_in)
+    z = 0 if call.dtype is None else call.dtype.itemsize
+    builder = _BUILDERS[call.kind]
+    counts = call.splits
+    steps, in_len, out_len, tmp = builder(
+        rank, size, z, call.count, call.root, small, piece, counts, in_place, call.root
+    )
+    copy_in = call.kind in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+    return Plan(call, in_len, out_len, tmp, tuple(steps), copy_in)
 
 
 # -- the builders: (rank, size, itemsize, count, root, small, piece, counts, in_place, peer) ->
-#    (steps, in_len, out_len, tmp, the stamped count) ------------------------------------------------------
+#    (steps, in_len, out_len, tmp) ------------------------------------------------------
 
 _Counts = tuple[tuple[int, ...], tuple[int, ...]] | None
-_Built = tuple[list[Step], int, int, int, int]
+_Built = tuple[list[Step], int, int, int]
 
 
 def _all_reduce(
@@ -183,10 +161,10 @@ def _all_reduce(
 ) -> _Built:
     nbytes = count * z
     if n == 1:
-        return [Step((), (), (), (Copy((OUT, 0), (IN, 0), nbytes),))], nbytes, nbytes, 0, count
+        return [Step((), (), (), (Copy((OUT, 0), (IN, 0), nbytes),))], nbytes, nbytes, 0
     if nbytes <= small:
         one, need = _everyone_reduces(r, n, count, z, (OUT, 0))
-        return one, nbytes, nbytes, need, count
+        return one, nbytes, nbytes, need
     pieces = _pieces(count, z, piece)
     steps: list[Step] = []
     tmp = 0
@@ -199,7 +177,7 @@ def _all_reduce(
             prev = steps[-1]
             steps[-1] = Step(prev.recvs + first.recvs, prev.sends + first.sends, prev.early, prev.after + first.after)
         steps.append(second)
-    return steps, nbytes, nbytes, tmp, count
+    return steps, nbytes, nbytes, tmp
 
 
 def _pieces(count: int, z: int, piece: int) -> list[tuple[int, int]]:
@@ -266,15 +244,15 @@ def _reduce(
     nbytes = count * z
     out_len = nbytes if r == root else 0
     if n == 1:
-        return [Step((), (), (), (Copy((OUT, 0), (IN, 0), nbytes),))], nbytes, out_len, 0, count
+        return [Step((), (), (), (Copy((OUT, 0), (IN, 0), nbytes),))], nbytes, out_len, 0
     if nbytes <= small:
         if r != root:
-            return [Step((), (Msg(root, IN, 0, nbytes),))], nbytes, 0, 0, count
+            return [Step((), (Msg(root, IN, 0, nbytes),))], nbytes, 0, 0
         steps, tmp = _everyone_reduces(r, n, count, z, (OUT, 0))
         only = steps[0]
-        return [Step(only.recvs, (), only.early, only.after)], nbytes, out_len, tmp, count
+        return [Step(only.recvs, (), only.early, only.after)], nbytes, out_len, tmp
     first, second, tmp = _two_steps(r, n, z, 0, count, reduce_to=root)
-    return [first, second], nbytes, out_len, tmp, count
+    return [first, second], nbytes, out_len, tmp
 
 
 def _reduce_scatter(
@@ -282,13 +260,13 @@ def _reduce_scatter(
 ) -> _Built:
     chunk = count * z  # this rank's output; the input holds n such chunks
     if n == 1:
-        return [Step((), (), (), (Copy((OUT, 0), (IN, 0), chunk),))], chunk, chunk, 0, count
+        return [Step((), (), (), (Copy((OUT, 0), (IN, 0), chunk),))], chunk, chunk, 0
     came = {p: ((r - p) % n - 1) * chunk for p in range(n) if p != r}
     recvs = tuple(Msg(p, TMP, came[p], chunk) for p in _from_left(r, n))
     sends = tuple(Msg(t, IN, t * chunk, chunk) for t in _to_right(r, n))
     srcs = ((IN, r * chunk), *((TMP, came[p]) for p in _from_left(r, n)))
     step = Step(recvs, sends, (), (Reduce((OUT, 0), count, srcs),))
-    return [step], n * chunk, chunk, (n - 1) * chunk, count
+    return [step], n * chunk, chunk, (n - 1) * chunk
 
 
 def _broadcast(
@@ -296,11 +274,11 @@ def _broadcast(
 ) -> _Built:
     nbytes = count * z
     if n == 1:
-        return [Step((), ())], nbytes, nbytes, 0, count
+        return [Step((), ())], nbytes, nbytes, 0
     if nbytes <= small or n == 2:
         if r == root:
-            return [Step((), tuple(Msg(t, OUT, 0, nbytes) for t in _to_right(r, n)))], nbytes, nbytes, 0, count
-        return [Step((Msg(root, OUT, 0, nbytes),), ())], nbytes, nbytes, 0, count
+            return [Step((), tuple(Msg(t, OUT, 0, nbytes) for t in _to_right(r, n)))], nbytes, nbytes, 0
+        return [Step((Msg(root, OUT, 0, nbytes),), ())], nbytes, nbytes, 0
     cuts = _cuts(count, n)
 
     def part(j: int) -> tuple[int, int]:
@@ -315,7 +293,7 @@ def _broadcast(
             tuple(Msg(p, OUT, *part(p)) for p in _from_left(r, n)),
             tuple(Msg(t, OUT, *part(r)) for t in _to_right(r, n) if t != root),
         )
-    return [first, second], nbytes, nbytes, 0, count
+    return [first, second], nbytes, nbytes, 0
 
 
 def _all_gather(
@@ -326,7 +304,7 @@ def _all_gather(
     recvs = tuple(Msg(p, OUT, p * chunk, chunk) for p in _from_left(r, n))
     sends = tuple(Msg(t, *src, chunk) for t in _to_right(r, n))
     early = () if in_place else (Copy((OUT, r * chunk), (IN, 0), chunk),)
-    return [Step(recvs, sends, early)], 0 if in_place else chunk, n * chunk, 0, count
+    return [Step(recvs, sends, early)], 0 if in_place else chunk, n * chunk, 0
 
 
 def _gather(
@@ -334,9 +312,9 @@ def _gather(
 ) -> _Built:
     chunk = count * z
     if r != root:
-        return [Step((), (Msg(root, IN, 0, chunk),))], chunk, 0, 0, count
+        return [Step((), (Msg(root, IN, 0, chunk),))], chunk, 0, 0
     recvs = tuple(Msg(p, OUT, p * chunk, chunk) for p in _from_left(r, n))
-    return [Step(recvs, (), (Copy((OUT, r * chunk), (IN, 0), chunk),))], chunk, n * chunk, 0, count
+    return [Step(recvs, (), (Copy((OUT, r * chunk), (IN, 0), chunk),))], chunk, n * chunk, 0
 
 
 def _scatter(
@@ -344,9 +322,9 @@ def _scatter(
 ) -> _Built:
     chunk = count * z
     if r != root:
-        return [Step((Msg(root, OUT, 0, chunk),), ())], 0, chunk, 0, count
+        return [Step((Msg(root, OUT, 0, chunk),), ())], 0, chunk, 0
     sends = tuple(Msg(t, IN, t * chunk, chunk) for t in _to_right(r, n))
-    return [Step((), sends, (Copy((OUT, 0), (IN, r * chunk), chunk),))], n * chunk, chunk, 0, count
+    return [Step((), sends, (Copy((OUT, 0), (IN, r * chunk), chunk),))], n * chunk, chunk, 0
 
 
 def _all_to_all(
@@ -354,15 +332,13 @@ def _all_to_all(
 ) -> _Built:
     if counts is None:  # even blocks of ``count``
         sc = rc = (count,) * n
-        agreed = count
     else:
-        sc, rc = counts
-        agreed = 0  # each pair's sizes are its own: every message's byte count is checked instead
+        sc, rc = counts  # each pair's sizes are its own: every message's byte count is checked
     sd, rd = _offsets(sc), _offsets(rc)
     recvs = tuple(Msg(p, OUT, rd[p] * z, rc[p] * z) for p in _from_left(r, n))
     sends = tuple(Msg(t, IN, sd[t] * z, sc[t] * z) for t in _to_right(r, n))
     early = (Copy((OUT, rd[r] * z), (IN, sd[r] * z), sc[r] * z),) if sc[r] == rc[r] else ()
-    return [Step(recvs, sends, early)], sum(sc) * z, sum(rc) * z, 0, agreed
+    return [Step(recvs, sends, early)], sum(sc) * z, sum(rc) * z, 0
 
 
 def _offsets(counts: tuple[int, ...]) -> list[int]:
@@ -378,7 +354,7 @@ def _barrier(
 ) -> _Built:
     recvs = tuple(Msg(p, TMP, 0, 0) for p in _from_left(r, n))
     sends = tuple(Msg(t, IN, 0, 0) for t in _to_right(r, n))
-    return [Step(recvs, sends)], 0, 0, 0, 0
+    return [Step(recvs, sends)], 0, 0, 0
 
 
 def _close(
@@ -388,22 +364,22 @@ def _close(
     p * 24. ``count`` 1: the group failed on this rank: it only tells the others (stamped so), and waits for
     nobody."""
     if count == 1:
-        return [Step((), tuple(Msg(t, IN, t * 24, 24) for t in _to_right(r, n)))], n * 24, 0, 0, 1
+        return [Step((), tuple(Msg(t, IN, t * 24, 24) for t in _to_right(r, n)))], n * 24, 0, 0
     recvs = tuple(Msg(p, OUT, p * 24, 24) for p in _from_left(r, n))
     sends = tuple(Msg(t, IN, t * 24, 24) for t in _to_right(r, n))
-    return [Step(recvs, sends)], n * 24, n * 24, 0, 0
+    return [Step(recvs, sends)], n * 24, n * 24, 0
 
 
 def _send(
     r: int, n: int, z: int, count: int, root: int, small: int, piece: int, counts: _Counts, in_place: bool, peer: int
 ) -> _Built:
-    return [Step((), (Msg(peer, IN, 0, count * z),))], count * z, 0, 0, 0
+    return [Step((), (Msg(peer, IN, 0, count * z),))], count * z, 0, 0
 
 
 def _recv(
     r: int, n: int, z: int, count: int, root: int, small: int, piece: int, counts: _Counts, in_place: bool, peer: int
 ) -> _Built:
-    return [Step((Msg(peer, OUT, 0, count * z),), ())], 0, count * z, 0, 0
+    return [Step((Msg(peer, OUT, 0, count * z),), ())], 0, count * z, 0
 
 
 _BUILDERS = {

@@ -13,17 +13,11 @@
  * Without the GIL (go()'s and spin()'s loops) only MPI calls, copies and the native reductions run; a
  * mismatch found there is remembered and raised once the GIL is back.
  */
-#include "_ready.h"
+#include "_executor.h"
 #include "structmember.h"
 
-#define STAMP 32
-#define TAG_SPAN 32000 /* commlib.backends._steps.TAG_SPAN */
 enum { IDLE, RUNNING, ABANDONED };
-enum { B_IN = 1, B_OUT = 2, B_TMP = 3 };   /* commlib.backends._plans.IN, OUT, TMP */
-enum { A_COPY = 1, A_REDUCE = 2 };          /* the plan encoding's action codes */
 enum { E_MISMATCH = -2, E_PYTHON = -3 };    /* advance()'s errors besides MPI's codes */
-/* stamp op codes (commlib.backends._stamp.OP_CODES: ReduceOp's order, from 1) */
-enum { O_SUM = 1, O_PRODUCT, O_MIN, O_MAX, O_AVG, O_BAND, O_BOR, O_BXOR };
 
 typedef struct {
     int peer, buf, direct;
@@ -921,7 +915,7 @@ Steps_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_ssize_t small, count;
     double block;
     if (mpi_start == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "commlib.backends._ready: setup() was not called");
+        PyErr_SetString(PyExc_RuntimeError, "commlib.backends._executor: setup() was not called");
         return NULL;
     }
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OiniOinOOdS", names, &plan, &comm, &small, &tag, &dtype, &op, &count,
@@ -1006,7 +1000,7 @@ static PyMemberDef Steps_members[] = {
 };
 
 PyTypeObject StepsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "commlib.backends._ready.Steps",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "commlib.backends._executor.Steps",
     .tp_basicsize = sizeof(Steps),
     .tp_dealloc = (destructor)Steps_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,

@@ -10,15 +10,13 @@ Messages of at most ``small`` bytes carry their stamp inline: persistent request
 own (``32 + small`` bytes for a receive, so a message of another call still fits and is named). Larger ones
 are a stamp message (a persistent request) followed by the data, sent from and received into the caller's
 arrays. Every received stamp is compared with the one this rank's own call would send, and a received
-message's size with the size this rank expects: a difference raises :class:`~commlib.backends._stamp.
-StampMismatch` at once (the call is abandoned: MPI may still use its buffers).
+message's size with the size this rank expects: a difference raises ``CollectiveMismatchError`` at once (the
+call is abandoned: MPI may still use its buffers).
 """
 
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,12 +26,13 @@ from commlib._ops import ReduceOp
 from commlib._settings import value as setting
 from commlib.arrays import LOW_PRECISION
 from commlib.backends import _native, _stamp
+from commlib.backends._call import OP_CODES
+from commlib.backends._mpi_waits import may_block
 from commlib.backends._plans import IN, OUT, Copy, Plan, Reduce
-from commlib.backends._waker import blocker
 from commlib.backends.base import SLOW_BYTES_PER_S, poll
-from commlib.errors import TransportError
+from commlib.errors import CollectiveMismatchError, GroupBrokenError, TransportError
 
-__all__ = ["TAG_SPAN", "NativeSteps", "Steps", "bind", "make", "mismatch", "reduce_into", "tag_of"]
+__all__ = ["TAG_SPAN", "NativeSteps", "Steps", "average", "bind", "make", "mismatch", "reduce_into", "tag_of"]
 
 _F32 = np.dtype(np.float32)
 _UFUNC = {
@@ -79,19 +78,38 @@ def reduce_into(dtype: np.dtype, op: ReduceOp, dst: np.ndarray, srcs: list[np.nd
         uf(d, v, out=d)
 
 
+def average(buf: np.ndarray, n: int) -> None:
+    """buf /= n in place, as NCCL's AVG: complex numbers component by component (a real division); integers
+    divided exactly, truncating toward zero (C's division: -7 / 2 == -3), never through a float."""
+    if buf.dtype.kind in "iu":
+        _divide_integers(buf, n)
+        return
+    flat = buf.view(buf.real.dtype) if buf.dtype.kind == "c" else buf
+    np.divide(flat, n, out=flat)
+
+
+def _divide_integers(buf: np.ndarray, n: int) -> None:
+    """buf //= n truncating toward zero, in place: the remainder (C's, the dividend's sign) is taken off first,
+    so the floor division that follows is exact. A divisor the dtype cannot hold is a wider integer."""
+    info = np.iinfo(buf.dtype)
+    divisor = buf.dtype.type(n) if n <= info.max else (np.uint64(n) if info.min == 0 else np.int64(n))
+    if info.min < 0:
+        np.subtract(buf, np.fmod(buf, divisor), out=buf, casting="same_kind")
+    np.floor_divide(buf, divisor, out=buf, casting="same_kind")
+
+
 def reduce_views(dtype: np.dtype, op: ReduceOp, dst: memoryview, srcs: list[memoryview]) -> None:
     """:func:`reduce_into` on memoryviews (the C executor's calls)."""
     reduce_into(dtype, op, np.frombuffer(dst, np.uint8), [np.frombuffer(s, np.uint8) for s in srcs])
 
 
-def mismatch(peer: int, raw: bytes, got: int, want: bytes, data: bool) -> _stamp.StampMismatch:
+def mismatch(peer: int, raw: bytes, got: int, want: bytes, data: bool) -> CollectiveMismatchError:
     """The error for a message of another call from group rank ``peer``: ``raw`` its stamp (or what came in
     its place), ``got`` bytes received, ``want`` the stamp this rank's call expects (``data``: a large
-    message's data, ``got`` bytes after a stamp that matched)."""
+    message's data, ``got`` bytes after a stamp that matched). The group layer words it in full."""
     wanted = _stamp.describe(want)
-    if data:
-        return _stamp.StampMismatch(peer, f"{got} bytes of data after the stamp of {wanted}", wanted)
-    return _stamp.StampMismatch(peer, _received(raw, got), wanted)
+    theirs = f"{got} bytes of data after the stamp of {wanted}" if data else _received(raw, got)
+    return CollectiveMismatchError(f"group rank {peer} sent {theirs}", peer=peer, theirs=theirs, mine=wanted)
 
 
 def _received(raw: bytes, got: int) -> str:
@@ -168,7 +186,7 @@ class Steps:
 
     def __init__(self, plan: Plan, comm: MPI.Intracomm, small: int, tag: int = -1, fail_tag: int = -1):
         self.plan, self.comm, self.small, self.fail_tag = plan, comm, small, fail_tag
-        self.dtype, self.count = plan.dtype, plan.count
+        self.call = plan.call
         self.nbytes = max(plan.in_len, plan.out_len)
         self.tmp = np.empty(plan.tmp, np.uint8)
         self.state = "idle"  # idle, running, abandoned
@@ -182,6 +200,8 @@ class Steps:
         self.out: np.ndarray | None = None
         self.seq = 0
         self.at = 0  # the step in flight (0-based)
+        self.direct = False  # the step in flight has large messages (its early copies: _advance's)
+        self.copied = True  # the step's early copies are done (or are _land()'s to do)
         self.checks: list[_Message] = []  # receives of stamps (or inline messages) still awaited
         self.rest: list[tuple[Any, _Message | None]] = []  # then data receives (their message) and sends
         self.status = MPI.Status()
@@ -259,9 +279,10 @@ class Steps:
                 data = self._region(m.buf)[m.off : m.off + m.nbytes]
                 rest.append((self.comm.Isend([data, MPI.BYTE], m.peer, m.tag), None))
         self.checks, self.rest = checks, rest
-        if any(m.direct for m in (*recvs, *sends)):  # else once every message is here (_land)
-            for c in self.plan.steps[self.at].early:
-                self._copy(c)
+        # a step with large messages makes its early copies while they move (_advance), once they are under way;
+        # a step of inline messages only, once every message is here (_land): as the C executor does
+        self.direct = any(m.direct for m in (*recvs, *sends))
+        self.copied = not self.direct
 
     def test(self) -> bool:
         """Whether the run is complete, moving it to its next step where one ended; raises a mismatch at once."""
@@ -288,12 +309,16 @@ class Steps:
             while rest:  # the data and the sends in order: one at a time moves a large transfer fastest
                 req, data = rest[0]
                 if not req.Test(status):
+                    if not self.copied:  # the early copies, once the messages are under way (the peers'
+                        self._early()  # handshakes answered first: a large copy would hold them up)
                     return False
                 rest.pop(0)
                 if data is not None and (got := status.Get_count(MPI.BYTE)) != data.nbytes:
                     raise mismatch(data.peer, b"", got, bytes(data.stamp), True)
             if checks:
                 return False
+            if not self.copied:  # a step with large messages whose messages all went before its copies
+                self._early()
             self._land()
             for a in self.plan.steps[self.at].after:
                 self._copy(a) if isinstance(a, Copy) else self._reduce(a)
@@ -317,13 +342,19 @@ class Steps:
     def _land(self) -> None:
         """A step whose messages all arrived: the inline payloads into their places, and (a step of inline
         messages only) the early copies: until now, a call that fails has not touched its output."""
-        recvs, sends = self.steps[self.at]
+        recvs = self.steps[self.at][0]
         for m in recvs:
             if not m.direct and m.nbytes:
                 self._region(m.buf)[m.off : m.off + m.nbytes] = m.slot[_STAMP : _STAMP + m.nbytes]  # type: ignore[index]
-        if not any(m.direct for m in (*recvs, *sends)):
+        if not self.direct:  # a step of inline messages only: its early copies now
             for c in self.plan.steps[self.at].early:
                 self._copy(c)
+
+    def _early(self) -> None:
+        """The early copies (this rank's own chunk) of a step with large messages, once."""
+        for c in self.plan.steps[self.at].early:
+            self._copy(c)
+        self.copied = True
 
     def _copy(self, c: Copy) -> None:
         if c.nbytes:
@@ -355,10 +386,9 @@ class Steps:
         self.state = "abandoned"
         return False
 
-    def _slow(self, waited: float) -> str:
-        """A long wait's check (base.poll's ``slow``): a peer's notice that it gave up ends it; the call in words."""
+    def _slow(self, waited: float) -> None:
+        """A long wait's check (base.poll's ``slow``): a peer's notice that it gave up ends it."""
         gave_up(self.comm, self.fail_tag)
-        return self.plan.describe(self.seq)
 
     def finish(self, out: Any) -> None:
         """Resident.finish: nothing left (the run completed into the caller's arrays, a root list included)."""
@@ -395,7 +425,7 @@ class NativeSteps:
     """The same executor in C (``_steps.c``): ``go``, ``start`` and ``test`` are the C object's own methods."""
 
     native = True
-    __slots__ = ("c", "comm", "count", "dtype", "fail_tag", "go", "nbytes", "plan", "start", "test")
+    __slots__ = ("c", "call", "comm", "fail_tag", "go", "nbytes", "plan", "start", "test")
 
     def __init__(
         self, plan: Plan, comm: MPI.Intracomm, small: int, tag: int = -1, fail_tag: int = -1, block: float = 0.0
@@ -403,16 +433,16 @@ class NativeSteps:
         stamps = b"".join(
             plan.stamp(s, 0, m.nbytes) for s, step in enumerate(plan.steps, 1) for m in (*step.recvs, *step.sends)
         )
-        op = 0 if plan.op is None else _stamp.OP_CODES[plan.op]
+        op = 0 if plan.op is None else OP_CODES[plan.op]
         reducer = (
             None if plan.op is None or plan.dtype is None else functools.partial(reduce_views, plan.dtype, plan.op)
         )
         self.c = _native.Steps(
-            plan.encode(), _native.handle(comm), small, tag, plan.dtype, op, plan.count, reducer, mismatch, block,
+            plan.encode(), _native.handle(comm), small, tag, plan.dtype, op, plan.call.count, reducer, mismatch, block,
             stamps,
         )  # fmt: skip
         self.go, self.start, self.test = self.c.go, self.c.start, self.c.test
-        self.dtype, self.count = plan.dtype, plan.count
+        self.call = plan.call
         self.nbytes = max(plan.in_len, plan.out_len)
         self.plan, self.comm, self.fail_tag = plan, comm, fail_tag
 
@@ -444,10 +474,9 @@ class NativeSteps:
         c.abandon()
         return False
 
-    def _slow(self, waited: float) -> str:
+    def _slow(self, waited: float) -> None:
         """As :meth:`Steps._slow`."""
         gave_up(self.comm, self.fail_tag)
-        return self.plan.describe(self.c.seq)
 
     def finish(self, out: Any) -> None:
         """Resident.finish: nothing left (the C object completed the run, a staged root list included)."""
@@ -471,20 +500,21 @@ def make(plan: Plan, comm: MPI.Intracomm, small: int, tag: int = -1, fail_tag: i
 
 
 def gave_up(comm: MPI.Intracomm, fail_tag: int) -> None:
-    """Raise :class:`~commlib.backends._stamp.PeerGaveUp` if a peer's notice that it gave up on the group (sent
-    by ``MpiBackend.abort`` with ``fail_tag``) is here: a wait for that peer would never end."""
+    """Raise ``GroupBrokenError`` (its ``peer`` and ``reason``) if a peer's notice that it gave up on the group
+    (sent by ``MpiBackend.abort`` with ``fail_tag``) is here: a wait for that peer would never end."""
     if fail_tag < 0:
         return
     status = MPI.Status()
     if comm.Iprobe(MPI.ANY_SOURCE, fail_tag, status):
         text = np.zeros(max(status.Get_count(MPI.BYTE), 0), np.uint8)
         comm.Recv([text, MPI.BYTE], status.Get_source(), fail_tag)
-        raise _stamp.PeerGaveUp(status.Get_source(), text.tobytes().decode(errors="replace"))
+        peer, reason = status.Get_source(), text.tobytes().decode(errors="replace")
+        raise GroupBrokenError(f"group rank {peer} gave up on the group: {reason}", peer=peer, reason=reason)
 
 
 def _blocks(nbytes: int) -> bool:
     """Whether a wait for ``nbytes`` blocks in MPI (COMMLIB_MPI_BLOCK_FROM, a core for every rank)."""
-    return nbytes >= BLOCK_FROM > 0 and blocker() is not None
+    return nbytes >= BLOCK_FROM > 0 and may_block()
 
 
 def error(e: MPI.Exception) -> TransportError:
@@ -492,6 +522,3 @@ def error(e: MPI.Exception) -> TransportError:
     if e.Get_error_class() == MPI.ERR_TRUNCATE:
         return TransportError("a peer sent a longer message than this rank's call expects")
     return TransportError(f"MPI reported an error: {e.Get_error_string()}")
-
-
-_clock: Callable[[], float] = time.monotonic

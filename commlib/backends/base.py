@@ -1,25 +1,28 @@
 """The backend contract: everything a backend provides, in one class. Read this file to write a backend.
 
-A backend moves bytes between the ranks of one communicator with NCCL's semantics. commlib's
-group layer (``commlib._group`` and the collectives above it) validates every argument first,
-so a backend method is only ever called with:
+A backend moves bytes between the ranks of one communicator with NCCL's semantics. commlib's group layer
+(``commlib._group`` and the public functions above it) validates every argument first and describes each call
+once (:class:`commlib.backends._call.Call`), so a backend is only ever asked to run a call whose buffers are
+contiguous arrays of its array module (:attr:`Backend.xp`), of a dtype in ``commlib.arrays.DTYPES``, produced
+by :meth:`Backend.array`, of the sizes the description says; whose ranks (root, peer) are ranks of *this*
+communicator, already range-checked; and whose reduce op :meth:`Backend.unsupported` and
+``commlib.arrays.op_error`` accepted for the dtype.
 
-- buffers that are contiguous arrays of the backend's array module (:attr:`Backend.xp`), of a
-  dtype in ``commlib.arrays.DTYPES``, produced by :meth:`Backend.array`; counts come from ``.size``;
-- ranks (``root``, ``peer``) that are ranks of *this* communicator, already range-checked;
-- a :class:`commlib.ReduceOp` that :meth:`Backend.unsupported` and ``commlib.arrays.op_error``
-  have accepted for the dtype.
+How a call runs is the backend's to decide: :meth:`Backend.start` posts any call and returns a
+:class:`Handle`; a host backend may also keep ready operations (:meth:`Backend.prepared`, a
+:class:`ReadyOp` run again and again for calls of one description) that the group layer runs inline.
 
-Completion: every operation returns a :class:`Handle` at once and nothing blocks without a
-deadline. A handle keeps the buffers it reads or writes alive until it has completed; the
-caller must not touch a receive buffer (nor change a send buffer) before then. A handle whose
-operation failed raises ``commlib.CommError`` from ``test``/``wait``; a wait that runs out of
-time returns False and leaves the operation running (the group layer then calls :meth:`abort`
-and refuses the group from then on).
+Completion: nothing blocks without a deadline. A handle keeps the buffers it reads or writes alive until it
+has completed; the caller must not touch a receive buffer (nor change a send buffer) before then. A handle
+whose operation failed raises ``commlib.CommError`` from ``test``/``wait``: ``CollectiveMismatchError``
+(with ``peer``, ``theirs`` and ``mine``) for a peer's message of another call, ``GroupBrokenError`` (with
+``peer`` and ``reason``) when a peer gave up on the group, ``TransportError`` for what the engine reported;
+a wait that runs out of time returns False and leaves the operation running (the group layer then calls
+:meth:`Backend.abort` and refuses the group from then on).
 
 Errors: a backend raises ``CommError`` (or a subclass) for what went wrong between ranks and
-``TypeError``/``ValueError`` only for what the group layer cannot know (e.g. NCCL cannot
-receive from any source); it never prints, and never hangs.
+``TypeError``/``ValueError`` only for what the group layer cannot know (e.g. NCCL cannot receive from any
+source); it never prints, and never hangs.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ import numpy as np
 
 from commlib._ops import ReduceOp
 from commlib.arrays import host_array, to_host
-from commlib.errors import CommError, CommTimeoutError, TransportError
+from commlib.backends._call import Call
+from commlib.backends._digests import Digests
+from commlib.errors import CommError, CommTimeoutError
 
 __all__ = [
     "DONE",
-    "CallsDiffer",
     "SLOW_BYTES_PER_S",
     "AllOf",
     "Backend",
@@ -49,6 +53,7 @@ __all__ = [
     "Handle",
     "Meeting",
     "MeetingTimeout",
+    "ReadyOp",
     "poll",
 ]
 
@@ -57,24 +62,15 @@ _YIELD_AFTER = 0.0005  # seconds of pure spinning before yielding the core (rank
 _SLEEP_AFTER = 0.05  # seconds before backing off to short sleeps (long waits must not burn a core)
 _WATCH_AFTER, _WATCH_EVERY = 0.25, 0.5  # when and how often a long wait calls the watchdog
 
-#: Called as ``watchdog(seconds_waited, what)`` by long waits (commlib's job monitor sets it; ``what``: the
-#: waiting operation's own description, or None): it may publish progress and raise ``CommError`` when
-#: another rank has reported a failure.
-watchdog: Callable[[float, str | None], None] | None = None
+#: Called as ``watchdog(seconds_waited)`` by long waits (commlib's slow path, ``_diagnostics.watchdog``, sets it):
+#: it may publish where this rank waits and raise ``CommError`` when no call can complete or another rank has
+#: reported a failure.
+watchdog: Callable[[float], None] | None = None
 
 #: Tags above :attr:`Backend.max_tag` that carry commlib's own point-to-point traffic (TAG_FAIL: a rank's
 #: notice that it gave up on the group, see :meth:`Backend.abort`).
 TAG_MEET, TAG_COMPOSED, TAG_FAIL = 1, 2, 3
 RESERVED_TAGS = 3
-
-
-class CallsDiffer(TransportError):
-    """Another rank made another call than this one (``mine``: this rank's, in words); which call, the engine
-    cannot say (NCCL reduces fingerprints; the mpi backend's stamps name the other call: ``StampMismatch``)."""
-
-    def __init__(self, mine: str) -> None:
-        self.mine = mine
-        super().__init__(f"another rank made another call than this rank's {mine}")
 
 
 class Meeting(Protocol):
@@ -107,25 +103,30 @@ class Handle(Protocol):
         False when the host must wait instead (host backends; work with a host-side completion step).
         """
 
+    def detach(self) -> None:
+        """The caller will wait for this operation later (an asynchronous call), right after posting it: keep
+        what its completion needs (a device backend records an event of its own); host handles do nothing."""
 
-class Resident(Protocol):
-    """A ready operation, run by the group layer inline (:meth:`Backend.sums`, :meth:`Backend.residents`).
+
+class ReadyOp(Protocol):
+    """A ready operation: one call's description run again and again, inline by the group layer
+    (:meth:`commlib._group.ProcessGroup.run_ready`), for blocking calls on host memory.
 
     A call: :attr:`go` with the caller's input and output and the call's sequence number; if it returned
     False, :meth:`wait`, then (if that returned True) :meth:`finish`. An exception raised by any of them goes
     through :meth:`error` first.
     """
 
-    #: the dtype and element count of the caller's arrays (for the flight recorder)
-    dtype: Any
-    count: int
+    #: the description of the calls it runs (what the group layer records)
+    call: Call
 
-    #: ``go(inp, out, seq) -> bool``: start one run on the caller's input and output (the previous run is
-    #: complete), test it a few hundred times; True: complete, the result in ``out`` (None: no output on this
-    #: rank); False: still running. Never blocks. ``inp`` (scatter's root) and ``out`` (gather's root) may be
+    #: ``go(inp, out, seq) -> bool | None``: start one run on the caller's input and output (the previous run is
+    #: complete), test it a few hundred times; True: complete, the result in ``out``; False: still running;
+    #: None: these arrays are not the operation's (another dtype of the same byte count, not contiguous, not
+    #: writable): nothing happened. Never blocks. ``inp`` (scatter's root) and ``out`` (gather's root) may be
     #: lists of arrays of one shape, in rank order. An attribute (the mpi backend's is a C method where it was
     #: built), called as a method.
-    go: Callable[[Any, Any, int], bool]
+    go: Callable[[Any, Any, int], bool | None]
 
     def wait(self, timeout: float) -> bool:
         """Block until the run :attr:`go` left running is complete (True) or ``timeout`` seconds pass (False:
@@ -144,7 +145,7 @@ SLOW_BYTES_PER_S = 100e6
 
 
 def poll(
-    test: Callable[[], bool], timeout: float, busy: float = 0.0, slow: Callable[[float], str | None] | None = None
+    test: Callable[[], bool], timeout: float, busy: float = 0.0, slow: Callable[[float], None] | None = None
 ) -> bool:
     """Call ``test`` until it returns True (then True) or ``timeout`` seconds pass (then False).
 
@@ -152,8 +153,8 @@ def poll(
     yields the core, then sleeps briefly, so a long wait neither adds latency to
     fast operations nor starves a peer rank sharing the core. ``busy``: seconds
     the data may take to move (see :data:`SLOW_BYTES_PER_S`); no sleeps before
-    then. Past 0.25 s it also calls ``slow(waited)`` (the operation's own slow-path check, which may raise,
-    and returns its description) and :data:`watchdog`, then every half second.
+    then. Past 0.25 s it also calls ``slow(waited)`` (the operation's own slow-path check, which may raise)
+    and :data:`watchdog`, then every half second.
     """
     start, watch_at = None, _WATCH_AFTER
     sleep_after = busy if busy > _SLEEP_AFTER else _SLEEP_AFTER
@@ -174,9 +175,10 @@ def poll(
             os.sched_yield()
         if waited > watch_at:
             watch_at = waited + _WATCH_EVERY
-            what = slow(waited) if slow is not None else None
+            if slow is not None:
+                slow(waited)
             if watchdog is not None:
-                watchdog(waited, what)
+                watchdog(waited)
 
 
 class Done:
@@ -192,6 +194,9 @@ class Done:
 
     def defer(self) -> bool:
         return True
+
+    def detach(self) -> None:
+        return None
 
 
 DONE = Done()
@@ -221,6 +226,9 @@ class Chained:
     def defer(self) -> bool:
         return False  # finish() runs on the host, after completion
 
+    def detach(self) -> None:
+        self.inner.detach()
+
     @property
     def source(self) -> int:
         """A receive's sender (the inner handle's)."""
@@ -246,6 +254,10 @@ class AllOf:
     def defer(self) -> bool:
         return all([h.defer() for h in self.handles])  # every one asked: the stream waits for all that can
 
+    def detach(self) -> None:
+        for h in self.handles:
+            h.detach()
+
 
 def _frame(payload: bytes) -> np.ndarray:
     if len(payload) > 240:
@@ -260,12 +272,20 @@ def _unframe(buf: np.ndarray) -> bytes:
     return bytes(buf[1 : 1 + int(buf[0])])
 
 
-def _offsets(counts: list[int]) -> list[int]:
+def _offsets(counts: tuple[int, ...] | list[int]) -> list[int]:
     out, total = [], 0
     for c in counts:
         out.append(total)
         total += c
     return out
+
+
+def _parts(buf: Any, counts: list[int]) -> list[Any]:
+    """``buf`` as one part per rank: the arrays of a list as they are, else consecutive views of ``counts``."""
+    if isinstance(buf, list):
+        return buf
+    flat = buf.reshape(-1)
+    return [flat[o : o + c] for o, c in zip(_offsets(counts), counts, strict=True)]
 
 
 class Backend(abc.ABC):
@@ -280,7 +300,10 @@ class Backend(abc.ABC):
     - ``xp``: the array module of the buffers (numpy, cupy).
     - ``max_tag``: the largest tag a user may pass to send/recv; the :data:`RESERVED_TAGS`
       above it carry commlib's own p2p traffic (rendezvous: group setup, monitored barrier; compositions).
-    - ``any_source``: whether :meth:`recv` takes ``peer=None`` (receive from any rank).
+    - ``any_source``: whether a receive takes ``call.root == -1`` (from any rank).
+    - ``ready``: the ready operations the group layer runs inline (see :meth:`prepared`), by the key it gave;
+      None: the backend has none.
+    - ``ordered_p2p``, ``terminate``: see below.
     """
 
     name: ClassVar[str]
@@ -290,6 +313,13 @@ class Backend(abc.ABC):
     xp: ModuleType = np
     max_tag: int
     any_source: bool = True
+    ready: dict[Any, ReadyOp] | None = None
+    #: a rank's sends and receives run in the order they were posted (NCCL's stream): a ring of blocking sends
+    #: deadlocks unless they are posted together (``batch_isend_irecv``); False: they may complete in any order
+    ordered_p2p: bool = False
+    #: ``terminate()`` ends every process of the job at once (MPI_Abort), for a rank whose exception was
+    #: uncaught; None: the engine cannot, and the launcher ends the job when this process exits
+    terminate: Callable[[], None] | None = None
 
     # -- arrays ---------------------------------------------------------------------------------
     def array(self, obj: object, ctx: Any, call: str, arg: str, writable: bool = True) -> Any:
@@ -304,85 +334,40 @@ class Backend(abc.ABC):
         """Why this backend cannot reduce ``dtype`` with ``op`` (None when it can; the default)."""
         return None
 
-    # -- collectives ------------------------------------------------------------------------------
+    # -- calls ------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
-        """Reduce ``sendbuf`` over all ranks into every rank's ``recvbuf``; ``sendbuf is recvbuf``: in place.
+    def start(self, call: Call, inp: Any, out: Any, seq: int) -> Handle:
+        """Post ``call`` (number ``seq`` on the group; 0 for a send or receive) on the caller's arrays.
 
-        ``seq`` (every collective takes it): the call's number on the group, the same on every rank that
-        makes the same call; a backend puts it in its messages (with the call's kind, dtype, count, op and
-        root) so that ranks making different calls end in an error, not in wrong data.
+        What each kind reads and writes (``call.root`` is a group rank; a send's or receive's peer, -1: any):
+
+        - all_reduce, broadcast, reduce: ``inp`` and ``out`` are the same array (in place); reduce leaves it
+          unchanged off the root; AVG is the sum divided by ``size`` (integers: truncating toward zero).
+        - all_gather: ``out`` holds every rank's ``inp`` in rank order; ``inp`` None: this rank's chunk of
+          ``out`` holds it already (in place).
+        - reduce_scatter: ``inp`` holds ``size`` chunks of ``out``'s size; chunk ``rank`` of the result goes to
+          ``out``.
+        - all_to_all: block p of ``inp`` to rank p, rank p's block into block p of ``out`` (``call.splits``: the
+          blocks' element counts, sent and received; else ``call.count`` each).
+        - gather: every rank's ``inp`` into chunk p of the root's ``out`` (None elsewhere); scatter the other
+          way round. The root's may be a list of arrays, one per rank, in rank order.
+        - barrier: no arrays. send: ``inp``; recv: ``out`` (its handle has ``source``, the sender's rank).
+
+        ``seq`` is the same on every rank that makes the same call: a backend puts it (and the description) in
+        its messages or its check, so that ranks making different calls end in an error, not in wrong data.
         """
 
-    @abc.abstractmethod
-    def broadcast(self, buf: Any, root: int, seq: int) -> Handle:
-        """Copy ``root``'s ``buf`` into every rank's ``buf`` (in place)."""
-
-    @abc.abstractmethod
-    def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int, seq: int) -> Handle:
-        """Reduce ``sendbuf`` over all ranks into ``root``'s ``recvbuf`` (others' recvbuf untouched)."""
-
-    @abc.abstractmethod
-    def all_gather(self, sendbuf: Any | None, recvbuf: Any, seq: int) -> Handle:
-        """Concatenate every rank's ``sendbuf`` in rank order into ``recvbuf`` (``size`` times as long).
-
-        ``sendbuf`` None: in place, this rank's chunk of ``recvbuf`` already holds its input.
-        """
-
-    @abc.abstractmethod
-    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
-        """Reduce ``sendbuf`` (``size`` chunks of ``recvbuf.size``) and leave chunk ``rank`` in ``recvbuf``."""
-
-    @abc.abstractmethod
-    def barrier(self, seq: int) -> Handle:
-        """Complete once every rank has called barrier."""
-
-    def fused(self) -> dict[str, Callable[..., bool]]:
-        """Functions that run an operation to completion in one call, by operation name (``"broadcast"``, ...).
-
-        Each takes the operation's arguments (``seq`` included) plus ``timeout`` and returns True once done, False
-        when ``timeout`` passed first (the operation may then still run). The group layer uses
-        them for blocking calls on host memory, and only when nothing else of this communicator is
-        in flight: a backend may fuse post and wait there (no handle object), or rerun a persistent
-        operation it made for an earlier call with the same description (every rank makes the same
-        calls in the same order, so such a cache decides alike on every rank). Operations left out
-        are posted and waited on through their handles. The default: none.
-        """
-        return {}
-
-    def sums(self) -> dict[int, Resident] | None:
-        """Ready blocking in-place SUM all_reduces by byte count (see :class:`Resident`).
-
-        The hottest call in data parallelism, given a lookup of its own: the group layer runs an entry
-        itself (:meth:`commlib._group.ProcessGroup.run_ready`), and the result must be that of the
-        ``"all_reduce"`` entry of :meth:`fused` called with ``(buf, buf, SUM, seq, timeout)``. An entry's
-        ``go`` returns None for arrays that are not its (another dtype of the same byte count; an array that is
-        not contiguous or not writable): the group layer then takes the generic path. The backend adds and
-        removes entries as it makes and frees them (the group layer only reads the dict, and only under
-        :meth:`fused`'s conditions). The default: None (no such lookup).
-        """
+    def prepared(self, call: Call, inp: Any, out: Any, key: Any) -> ReadyOp | None:
+        """A ready operation for blocking calls described by ``call`` on arrays like ``inp`` and ``out``, or
+        None (the group layer then uses :meth:`start`). ``key``: where to list it in :attr:`ready` (None: not
+        at all), until the backend frees it. The default: None."""
         return None
 
-    def residents(self) -> dict[str, dict[Any, Resident]] | None:
-        """Ready blocking operations of other calls, run by the group layer as :meth:`sums`' are.
-
-        ``"broadcast"`` by ``(bytes, root)``, ``"reduce"`` (SUM, in place) likewise, ``"gather"`` and ``"scatter"``
-        by ``(bytes of a chunk, root)`` (the root's list: one array per rank, in rank order), ``"all_gather"``
-        (not in place), ``"reduce_scatter"`` (SUM) and ``"all_to_all"`` (equal splits) by ``(input bytes, output
-        bytes)``, ``"all_to_all_v"`` by the same and ``(input split sizes, output split sizes)`` (tuples of rows),
-        ``"barrier"`` by ``()``, ``"send"`` and ``"recv"`` by ``(bytes, peer, tag)``; each must give the result of
-        the matching :meth:`fused` entry. Same rules as :meth:`sums`; default: None.
-        """
+    def digests(self) -> Digests | None:
+        """The running digests of this rank's calls, for a backend whose check compares them off its engine's
+        path (the nccl backend: see ``commlib.backends._digests``); the slow path publishes and compares them.
+        None (the default): the backend checks each call itself (the mpi backend's stamps)."""
         return None
-
-    # -- point to point -------------------------------------------------------------------------
-    @abc.abstractmethod
-    def send(self, buf: Any, peer: int, tag: int) -> Handle:
-        """Send ``buf`` to ``peer``; completes when ``buf`` may be reused."""
-
-    @abc.abstractmethod
-    def recv(self, buf: Any, peer: int | None, tag: int) -> Handle:
-        """Receive into ``buf`` from ``peer`` (None: any rank, if :attr:`any_source`); the handle has ``source``."""
 
     def group_start(self) -> None:
         """Open a p2p group: the sends and receives until :meth:`group_end` may be posted in any order.
@@ -395,60 +380,54 @@ class Backend(abc.ABC):
         """Close the p2p group opened by :meth:`group_start` (NCCL posts the whole group here)."""
         return None
 
-    # -- composed operations: send/recv by default; override with a native call when faster ------
-    def all_to_all(
-        self, sendbuf: Any, send_counts: list[int], recvbuf: Any, recv_counts: list[int], seq: int
-    ) -> Handle:
-        """Send ``send_counts[i]`` elements (in rank order) to rank i; receive ``recv_counts[i]`` from rank i."""
-        so, ro, tag, me = _offsets(send_counts), _offsets(recv_counts), self.max_tag + TAG_COMPOSED, self.rank
-        sflat, rflat = sendbuf.reshape(-1), recvbuf.reshape(-1)
-        rflat[ro[me] : ro[me] + recv_counts[me]] = sflat[so[me] : so[me] + send_counts[me]]
+    def _message(self, buf: Any, peer: int, receive: bool, tag: int = -1) -> Handle:
+        """One send (receive) of ``buf`` to (from) ``peer``: commlib's own traffic, with a reserved tag."""
+        kind = "recv" if receive else "send"
+        call = Call(kind, buf.dtype, buf.size, root=peer, tag=self.max_tag + TAG_COMPOSED if tag < 0 else tag)
+        return self.start(call, None if receive else buf, buf if receive else None, 0)
+
+    def compose(self, call: Call, inp: Any, out: Any) -> Handle:
+        """all_to_all, gather, scatter (or all_gather into a list) as sends and receives in one p2p group, for
+        engines without them: this rank's own block copied, every other one sent or received straight from or
+        into its place (a list's arrays, or consecutive blocks of one array)."""
+        me, n, root, count = self.rank, self.size, call.root, call.count
+        nothing: list[Any] = [None] * n
+        if call.kind == "all_to_all":
+            counts = call.splits or ((count,) * n, (count,) * n)
+            sends, recvs = _parts(inp, list(counts[0])), _parts(out, list(counts[1]))
+        elif call.kind == "all_gather":
+            sends, recvs = [inp] * n, _parts(out, [count] * n)
+        elif call.kind == "gather":
+            sends = [inp if p in (root, me) else None for p in range(n)] if me != root else [*nothing]
+            recvs = _parts(out, [count] * n) if me == root else [*nothing]
+            sends[me] = inp
+        else:  # scatter
+            sends = _parts(inp, [count] * n) if me == root else [*nothing]
+            recvs = [out if p in (root, me) else None for p in range(n)] if me != root else [*nothing]
+            recvs[me] = out
+        if sends[me] is not None and recvs[me] is not None:
+            recvs[me].reshape(-1)[...] = sends[me].reshape(-1)
         handles = []
         self.group_start()
-        for peer in range(self.size):
-            if peer != me:
-                handles.append(self.send(sflat[so[peer] : so[peer] + send_counts[peer]], peer, tag))
-                handles.append(self.recv(rflat[ro[peer] : ro[peer] + recv_counts[peer]], peer, tag))
-        self.group_end()
-        return AllOf(handles)
-
-    def gather(self, sendbuf: Any, recvbuf: Any | None, root: int, seq: int) -> Handle:
-        """Every rank's ``sendbuf`` into chunk ``rank`` of ``root``'s ``recvbuf`` (None elsewhere)."""
-        tag, k = self.max_tag + TAG_COMPOSED, sendbuf.size
-        self.group_start()
-        if self.rank == root:
-            assert recvbuf is not None  # the group layer gives the root its receive buffer
-            rflat = recvbuf.reshape(-1)
-            rflat[root * k : (root + 1) * k] = sendbuf.reshape(-1)
-            handles = [self.recv(rflat[p * k : (p + 1) * k], p, tag) for p in range(self.size) if p != root]
-        else:
-            handles = [self.send(sendbuf, root, tag)]
-        self.group_end()
-        return AllOf(handles)
-
-    def scatter(self, sendbuf: Any | None, recvbuf: Any, root: int, seq: int) -> Handle:
-        """Chunk p of ``root``'s ``sendbuf`` (None elsewhere) into rank p's ``recvbuf``."""
-        tag, k = self.max_tag + TAG_COMPOSED, recvbuf.size
-        self.group_start()
-        if self.rank == root:
-            assert sendbuf is not None  # the group layer gives the root its send buffer
-            sflat = sendbuf.reshape(-1)
-            recvbuf.reshape(-1)[...] = sflat[root * k : (root + 1) * k]
-            handles = [self.send(sflat[p * k : (p + 1) * k], p, tag) for p in range(self.size) if p != root]
-        else:
-            handles = [self.recv(recvbuf, root, tag)]
-        self.group_end()
+        try:
+            for p in range(n):
+                if p != me and sends[p] is not None:
+                    handles.append(self._message(sends[p], p, receive=False))
+                if p != me and recvs[p] is not None:
+                    handles.append(self._message(recvs[p], p, receive=True))
+        finally:
+            self.group_end()
         return AllOf(handles)
 
     def close_check(self, seq: int, sent: list[int], received: list[int], timeout: float) -> list[tuple[int, int, int]]:
         """The group's last exchange (``destroy_process_group``, the program's end): this rank made ``seq``
         collectives, sent ``sent[p]`` messages to rank p and received ``received[p]`` from it. Returns, for
         every rank p, (its collectives, its messages sent to this rank, received from this rank) (this rank's
-        own row: anything). The default all-gathers the counts with :meth:`all_gather`."""
+        own row: anything). The default all-gathers the counts."""
         n = self.size
-        mine = np.array([seq, *sent, *received], np.int64)
+        mine = self.xp.asarray(np.array([seq, *sent, *received], np.int64))
         everyone = self.xp.zeros(n * (1 + 2 * n), np.int64)
-        if not self.all_gather(self.xp.asarray(mine), everyone, 0).wait(timeout):
+        if not self.start(Call("all_gather", mine.dtype, mine.size), mine, everyone, 0).wait(timeout):
             raise CommTimeoutError(f"not every rank ended its calls within {timeout:g} s")
         rows = to_host(everyone).reshape(n, 1 + 2 * n)
         me = self.rank
@@ -471,12 +450,12 @@ class Backend(abc.ABC):
         digest = hashlib.blake2b(f"{what} {ranks}".encode(), digest_size=16).digest()
         leader, tag, xp = ranks[0], self.max_tag + TAG_MEET, self.xp
         if self.rank != leader:
-            self.send(xp.asarray(np.frombuffer(digest, np.uint8)), leader, tag)
+            self._message(xp.asarray(np.frombuffer(digest, np.uint8)), leader, False, tag)
             answer = xp.zeros(256, np.uint8)
-            if not self.recv(answer, leader, tag).wait(timeout):
+            if not self._message(answer, leader, True, tag).wait(timeout):
                 raise MeetingTimeout(f"rank {leader} did not answer within {timeout:g} s ({what} of ranks {ranks})")
             return _unframe(to_host(answer))
-        arrivals = {p: (self.recv(buf := xp.zeros(16, np.uint8), p, tag), buf) for p in ranks[1:]}
+        arrivals = {p: (self._message(buf := xp.zeros(16, np.uint8), p, True, tag), buf) for p in ranks[1:]}
         start = time.monotonic()
         poll(lambda: all(h.test() for h, _ in arrivals.values()), timeout)
         missing = [p for p, (h, _) in arrivals.items() if not h.test()]
@@ -489,7 +468,7 @@ class Backend(abc.ABC):
         if strangers:
             raise CommError(f"ranks {strangers} were not in {what} of ranks {ranks} (a mismatched program?)")
         framed = xp.asarray(_frame(payload))
-        answers = [self.send(framed, p, tag) for p in ranks[1:]]
+        answers = [self._message(framed, p, False, tag) for p in ranks[1:]]
         poll(lambda: all(h.test() for h in answers), timeout)
         return payload
 

@@ -1,11 +1,13 @@
 """The ``mpi`` backend: host (numpy) buffers over mpi4py and the MPICH wheel; nothing blocks without a deadline.
 
-Every call, collective or point to point, blocking or not, runs a plan of :mod:`commlib.backends._plans`:
-commlib's own point-to-point messages, each with a stamp that says which call sent it
-(:mod:`commlib.backends._stamp`), checked by its receiver, so ranks that disagree on a call end in an error
-naming both calls instead of in wrong data. One executor (:mod:`commlib.backends._steps`, in C where it was
-built) runs a plan again and again for calls of one description: small messages through persistent requests
-over scratch buffers, large ones on the caller's arrays.
+Every call, collective or point to point, blocking or not, runs a plan of :mod:`commlib.backends._plans`
+made from its description (:class:`~commlib.backends._call.Call`): commlib's own point-to-point messages,
+each with a stamp of the call (:mod:`commlib.backends._stamp`), checked by its receiver, so ranks that
+disagree on a call end in an error naming both calls instead of in wrong data. One executor
+(:mod:`commlib.backends._steps`, in C where it was built) runs a plan again and again for calls of one
+description: small messages through persistent requests over scratch buffers, large ones on the caller's
+arrays. :meth:`MpiBackend.start` posts a call on an executor; :meth:`MpiBackend.prepared` hands the group
+layer one to run inline (a blocking call).
 
 What shapes the messages (the inline size, the piece size, composed calls; the executor in C or Python,
 which does not) is agreed by the group's ranks when the group is made (:meth:`MpiBackend.agree`).
@@ -16,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
-import math
 import time
 import warnings
 import zlib
@@ -29,15 +30,15 @@ from mpi4py import MPI
 from commlib._ops import ReduceOp
 from commlib._settings import value as setting
 from commlib.backends import _native, _stamp, _steps
-from commlib.backends._mpi import average, settle
-from commlib.backends._plans import Plan, plan
-from commlib.backends._waker import count_cores
-from commlib.backends.base import DONE, RESERVED_TAGS, TAG_FAIL, Backend, Handle, Resident
+from commlib.backends._call import Call
+from commlib.backends._mpi_waits import count_cores, settle
+from commlib.backends._plans import plan
+from commlib.backends._steps import average
+from commlib.backends.base import RESERVED_TAGS, TAG_FAIL, Backend, Handle, ReadyOp, poll
 from commlib.errors import CommError, CommTimeoutError
 
-__all__ = ["MpiBackend", "pattern"]
+__all__ = ["MpiBackend", "pattern", "unavailable", "world"]
 
-_AVG, _SUM = ReduceOp.AVG, ReduceOp.SUM
 _CACHE = 128  # executors a communicator keeps (each holds its scratch and persistent requests)
 
 
@@ -47,6 +48,24 @@ def _version() -> str:
         return importlib.metadata.version("commlib")
     except importlib.metadata.PackageNotFoundError:  # a source tree on the path, not installed
         return "unknown"
+
+
+def unavailable() -> str | None:
+    """None: MPI is here (mpi4py and the MPICH wheel are commlib's dependencies; this module imported them)."""
+    return None
+
+
+def world(place: Any) -> MpiBackend:
+    """The default group's communicator (``commlib.backends.Spec.world``): the MPI world an MPI launcher made,
+    else the processes joined through the job's store (``_mpi_world.join_singletons``); then its ranks agree on
+    their pattern (:meth:`MpiBackend.prepare`)."""
+    from commlib.backends import _mpi_world
+
+    backend = place.mpi
+    if backend is None:
+        backend = _mpi_world.join_singletons(place.store, place.rank, place.size, place.timeout)
+    backend.prepare(place.timeout, world=True)
+    return backend
 
 
 def pattern() -> dict[str, Any]:
@@ -106,6 +125,9 @@ class _Run:
     def defer(self) -> bool:
         return False  # host memory: the caller waits
 
+    def detach(self) -> None:
+        return None
+
 
 class _AnySource:
     """A receive from any rank: the first message with the tag found (probed), then received from its sender."""
@@ -123,13 +145,12 @@ class _AnySource:
             if not self.backend.p2p.Iprobe(MPI.ANY_SOURCE, self.tag, self.status):
                 return False
             self.source = self.status.Get_source()
-            self.run = cast(_Run, self.backend.recv(self.buf, self.source, self.tag))
+            call = Call("recv", self.buf.dtype, self.buf.size, root=self.source, tag=self.tag)
+            self.run = cast(_Run, self.backend.start(call, None, self.buf, 0))
         return self.run.test()
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        from commlib.backends.base import poll
-
         if self.run is None and not poll(lambda: self.test() or self.run is not None, timeout):
             return False
         assert self.run is not None
@@ -137,6 +158,9 @@ class _AnySource:
 
     def defer(self) -> bool:
         return False
+
+    def detach(self) -> None:
+        return None
 
 
 class MpiBackend(Backend):
@@ -161,28 +185,13 @@ class MpiBackend(Backend):
         self.spares: dict[tuple, list[Any]] = {}  # executors of asynchronous calls, idle
         self.abandoned: list = []  # executors a wait gave up on: MPI may still use their buffers
         self.noticed = False  # abort() told the others already
-        #: the group layer's lookups (Backend.sums, Backend.residents): SUM all_reduces by (shape, dtype), and
-        #: the other ready calls by their own keys (see _lookup)
-        self.summed: dict[int, Resident] = {}
-        self.ready: dict[str, dict[Any, Resident]] = {k: {} for k in _TABLES}
-        self.now: dict[str, Callable[..., bool]] = {
-            "all_reduce": self._all_reduce_now,
-            "broadcast": self._broadcast_now,
-            "reduce": self._reduce_now,
-            "all_gather": self._all_gather_now,
-            "reduce_scatter": self._reduce_scatter_now,
-            "barrier": self._barrier_now,
-            "send": self._send_now,
-            "recv": self._recv_now,
-            "all_to_all": self._all_to_all_now,
-            "gather": self._gather_now,
-            "scatter": self._scatter_now,
-        }
+        self.ready: dict[Any, ReadyOp] = {}  # the group layer's ready operations, by the keys it gave (prepared())
+        self.keys: dict[int, list[Any]] = {}  # id(executor) -> its keys in self.ready
 
     # -- setup: the group's communicators and its agreed pattern -----------------------------------------
     def prepare(self, timeout: float, world: bool = False) -> None:
         """Collective over the communicator: (the world) count the node's cores for waits that block
-        (:func:`commlib.backends._waker.count_cores`); make the two duplicates; agree on the pattern."""
+        (:func:`commlib.backends._mpi_waits.count_cores`); make the two duplicates; agree on the pattern."""
         if world and self.size > 1 and not count_cores(self.comm, timeout):
             raise CommTimeoutError(f"not every rank set up the communicator within {timeout:g} s")
         if self.size > 1 and not self.dups:
@@ -217,31 +226,49 @@ class MpiBackend(Backend):
             warnings.warn(f"commlib: the ranks of this group differ: {'; '.join(notes)}", RuntimeWarning, stacklevel=2)
 
     # -- executors ------------------------------------------------------------------------------------------
-    def executor(self, key: tuple, build: Callable[[], Plan], tag: int = -1) -> Any:  # a Steps or NativeSteps
-        """An idle executor for calls described by ``key``: the cached one, a spare, or a new one (cached)."""
+    def executor(self, call: Call, in_place: bool = False) -> Any:  # a Steps or NativeSteps
+        """An idle executor for ``call``: the cached one, a spare, or a new one (cached)."""
+        key = (call, in_place)
         ex: Any = self.ops.get(key)
         if ex is not None and ex.state == "idle":
             return ex
         spares = self.spares.get(key)
         if spares:
             return spares.pop()
-        ex = _steps.make(build(), self.p2p if tag >= 0 else self.coll, self.small, tag, self.max_tag + TAG_FAIL)
+        p2p = call.p2p
+        built = plan(call, self.rank, self.size, small=self.small, piece=self.piece, in_place=in_place)
+        ex = _steps.make(built, self.p2p if p2p else self.coll, self.small, call.tag if p2p else -1, self.fail_tag)
         if key not in self.ops:
             if len(self.ops) >= self.limit:
                 self._evict(next(iter(self.ops)))
             self.ops[key] = ex
-            for table, entry in _lookups(key, self.size):
-                (self.summed if table == "sums" else self.ready[table])[entry] = ex
+        return ex
+
+    @property
+    def fail_tag(self) -> int:
+        return self.max_tag + TAG_FAIL
+
+    def prepared(self, call: Call, inp: Any, out: Any, key: Any) -> ReadyOp | None:
+        """The cached executor of ``call``, listed in :attr:`ready` under ``key`` (see :meth:`Backend.prepared`);
+        None where a call needs more than the executor's run: AVG (divided after), composed calls."""
+        if call.op is ReduceOp.AVG or (self.composed and call.kind in _COMPOSED) or (call.p2p and call.root < 0):
+            return None
+        cached = (call, call.kind == "all_gather" and inp is None)
+        ex = self.ops.get(cached) or self.executor(*cached)
+        if self.ops.get(cached) is not ex or ex.state != "idle":  # an asynchronous run still holds it
+            return None
+        if key is not None and key not in self.ready:
+            self.ready[key] = ex
+            self.keys.setdefault(id(ex), []).append(key)
         return ex
 
     def _unlist(self, key: tuple, ex: Any) -> None:
-        """``ex`` out of the cache and of the group layer's lookups."""
+        """``ex`` out of the cache and of the group layer's ready operations."""
         if self.ops.get(key) is ex:
             del self.ops[key]
-        for name, entry in _lookups(key, self.size):
-            table = self.summed if name == "sums" else self.ready[name]
-            if table.get(entry) is ex:
-                del table[entry]
+        for k in self.keys.pop(id(ex), ()):
+            if self.ready.get(k) is ex:
+                del self.ready[k]
 
     def give_back(self, key: tuple, ex: Any) -> None:
         """An asynchronous call's executor, idle again."""
@@ -261,190 +288,29 @@ class MpiBackend(Backend):
         else:
             self.abandoned.append(ex)
 
-    def _plan(self, kind: str, dtype: Any = None, count: int = 0, op: Any = None, root: int = -1, **kw: Any) -> Any:
-        return functools.partial(
-            plan, kind, self.rank, self.size, dtype, count, op, root, small=self.small, piece=self.piece, **kw
-        )
-
-    def _start(self, key: tuple, build: Callable[[], Plan], inp: Any, out: Any, seq: int, tag: int = -1,
-               finish: Callable[[], None] | None = None) -> Handle:  # fmt: skip
-        ex = self.executor(key, build, tag)
-        try:
-            ex.start(inp, out, seq)
-        except BaseException as e:
-            self._forget(key, ex)
-            raise ex.error(e) from None
-        return _Run(self, key, ex, out, finish)
-
-    def _go(self, key: tuple, build: Callable[[], Plan], inp: Any, out: Any, seq: int, timeout: float,
-            tag: int = -1) -> bool:  # fmt: skip
-        """A blocking call: run it (False: ``timeout`` passed first; the executor is abandoned)."""
-        ex = self.executor(key, build, tag)
-        try:
-            done = ex.go(inp, out, seq)
-            if done is None:  # the group layer checked these arrays: they must be the executor's
-                raise ValueError(f"mpi backend: the arrays of {key[0]} are not those its executor was made for")
-            if not done and not ex.wait(timeout):
-                self._forget(key, ex)
-                return False
-        except BaseException as e:
-            self._forget(key, ex)
-            raise ex.error(e) from None
-        ex.finish(out)
-        return True
-
     def _forget(self, key: tuple, ex: Any) -> None:
         """An executor that failed or timed out: out of every table, kept referenced (MPI may use its buffers)."""
         self._unlist(key, ex)
         self.abandoned.append(ex)
 
-    # -- collectives: asynchronous --------------------------------------------------------------------------
-    def all_reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, seq: int) -> Handle:
-        key = ("all_reduce", recvbuf.shape, recvbuf.dtype, op)
-        build = self._plan("all_reduce", recvbuf.dtype, recvbuf.size, op)
-        return self._start(key, build, sendbuf, recvbuf, seq, finish=self._avg(op, recvbuf))
-
-    def reduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, root: int, seq: int) -> Handle:
-        mine = self.rank == root
-        key = ("reduce", recvbuf.shape, recvbuf.dtype, op, root)
-        build = self._plan("reduce", recvbuf.dtype, recvbuf.size, op, root)
-        return self._start(key, build, sendbuf, recvbuf if mine else None, seq, finish=self._avg(op, recvbuf, mine))
-
-    def reduce_scatter(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, seq: int) -> Handle:
-        key = ("reduce_scatter", sendbuf.shape, recvbuf.shape, recvbuf.dtype, op)
-        build = self._plan("reduce_scatter", recvbuf.dtype, recvbuf.size, op)
-        return self._start(key, build, sendbuf, recvbuf, seq, finish=self._avg(op, recvbuf))
-
-    def _avg(self, op: ReduceOp, out: np.ndarray, mine: bool = True) -> Callable[[], None] | None:
-        return functools.partial(average, out, self.size) if op is _AVG and mine else None
-
-    def broadcast(self, buf: np.ndarray, root: int, seq: int) -> Handle:
-        key = ("broadcast", buf.shape, buf.dtype, root)
-        return self._start(key, self._plan("broadcast", buf.dtype, buf.size, None, root), buf, buf, seq)
-
-    def all_gather(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, seq: int) -> Handle:
-        key = ("all_gather", None if sendbuf is None else sendbuf.shape, recvbuf.shape, recvbuf.dtype)
-        build = self._plan("all_gather", recvbuf.dtype, recvbuf.size // self.size, in_place=sendbuf is None)
-        return self._start(key, build, sendbuf, recvbuf, seq)
-
-    def gather(self, sendbuf: np.ndarray, recvbuf: Any, root: int, seq: int) -> Handle:
-        if self.composed:
-            return super().gather(sendbuf, recvbuf, root, seq)
-        key = ("gather", sendbuf.shape, sendbuf.dtype, root)
-        return self._start(key, self._plan("gather", sendbuf.dtype, sendbuf.size, None, root), sendbuf, recvbuf, seq)
-
-    def scatter(self, sendbuf: Any, recvbuf: np.ndarray, root: int, seq: int) -> Handle:
-        if self.composed:
-            return super().scatter(sendbuf, recvbuf, root, seq)
-        key = ("scatter", recvbuf.shape, recvbuf.dtype, root)
-        return self._start(key, self._plan("scatter", recvbuf.dtype, recvbuf.size, None, root), sendbuf, recvbuf, seq)
-
-    def all_to_all(
-        self, sendbuf: np.ndarray, send_counts: list[int], recvbuf: np.ndarray, recv_counts: list[int], seq: int
-    ) -> Handle:
-        if self.composed:
-            return super().all_to_all(sendbuf, send_counts, recvbuf, recv_counts, seq)
-        key, build = self._all_to_all(sendbuf, send_counts, recvbuf, recv_counts)
-        return self._start(key, build, sendbuf, recvbuf, seq)
-
-    def _all_to_all(self, sbuf: np.ndarray, sc: list[int], rbuf: np.ndarray, rc: list[int]) -> tuple[tuple, Any]:
-        k = sc[0]
-        if sc.count(k) == len(sc) and rc.count(k) == len(rc):  # even blocks (count(): C speed)
-            return ("all_to_all", sbuf.shape, rbuf.shape, rbuf.dtype), self._plan("all_to_all", rbuf.dtype, k)
-        counts = (tuple(sc), tuple(rc))
-        key = ("exchange", sbuf.shape, rbuf.shape, rbuf.dtype, *counts)
-        return key, self._plan("all_to_all", rbuf.dtype, 0, counts=counts)
-
-    def barrier(self, seq: int) -> Handle:
-        if self.size == 1:
-            return DONE
-        return self._start(("barrier",), self._plan("barrier"), None, None, seq)
-
-    # -- point to point ---------------------------------------------------------------------------------------
-    def send(self, buf: np.ndarray, peer: int, tag: int) -> Handle:
-        key = ("send", buf.shape, buf.dtype, peer, tag)
-        return self._start(key, self._plan("send", buf.dtype, buf.size, peer=peer), buf, None, 0, tag)
-
-    def recv(self, buf: np.ndarray, peer: int | None, tag: int) -> Handle:
-        if peer is None:
-            return _AnySource(self, buf, tag)
-        key = ("recv", buf.shape, buf.dtype, peer, tag)
-        return self._start(key, self._plan("recv", buf.dtype, buf.size, peer=peer), None, buf, 0, tag)
-
-    # -- blocking: an executor run to completion --------------------------------------------------------------
-    def fused(self) -> dict[str, Callable[..., bool]]:
-        """Blocking calls in one step (see :meth:`Backend.fused`)."""
-        return self.now if not self.composed else {k: v for k, v in self.now.items() if k not in _COMPOSED}
-
-    def sums(self) -> dict[int, Resident]:
-        return self.summed
-
-    def residents(self) -> dict[str, dict[Any, Resident]]:
-        return self.ready
-
-    def _all_reduce_now(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, seq: int, timeout: float) -> bool:
-        key = ("all_reduce", recvbuf.shape, recvbuf.dtype, op)
-        done = self._go(key, self._plan("all_reduce", recvbuf.dtype, recvbuf.size, op), sendbuf, recvbuf, seq, timeout)
-        if done and op is _AVG:
-            average(recvbuf, self.size)
-        return done
-
-    def _reduce_now(
-        self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, root: int, seq: int, timeout: float
-    ) -> bool:
-        mine = self.rank == root
-        key = ("reduce", recvbuf.shape, recvbuf.dtype, op, root)
-        build = self._plan("reduce", recvbuf.dtype, recvbuf.size, op, root)
-        done = self._go(key, build, sendbuf, recvbuf if mine else None, seq, timeout)
-        if done and mine and op is _AVG:
-            average(recvbuf, self.size)
-        return done
-
-    def _reduce_scatter_now(
-        self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, seq: int, timeout: float
-    ) -> bool:
-        key = ("reduce_scatter", sendbuf.shape, recvbuf.shape, recvbuf.dtype, op)
-        build = self._plan("reduce_scatter", recvbuf.dtype, recvbuf.size, op)
-        done = self._go(key, build, sendbuf, recvbuf, seq, timeout)
-        if done and op is _AVG:
-            average(recvbuf, self.size)
-        return done
-
-    def _broadcast_now(self, buf: np.ndarray, root: int, seq: int, timeout: float) -> bool:
-        key = ("broadcast", buf.shape, buf.dtype, root)
-        return self._go(key, self._plan("broadcast", buf.dtype, buf.size, None, root), buf, buf, seq, timeout)
-
-    def _all_gather_now(self, sendbuf: np.ndarray | None, recvbuf: np.ndarray, seq: int, timeout: float) -> bool:
-        key = ("all_gather", None if sendbuf is None else sendbuf.shape, recvbuf.shape, recvbuf.dtype)
-        build = self._plan("all_gather", recvbuf.dtype, recvbuf.size // self.size, in_place=sendbuf is None)
-        return self._go(key, build, sendbuf, recvbuf, seq, timeout)
-
-    def _gather_now(self, sendbuf: np.ndarray, recvbuf: Any, root: int, seq: int, timeout: float) -> bool:
-        key = ("gather", sendbuf.shape, sendbuf.dtype, root)
-        build = self._plan("gather", sendbuf.dtype, sendbuf.size, None, root)
-        return self._go(key, build, sendbuf, recvbuf, seq, timeout)
-
-    def _scatter_now(self, sendbuf: Any, recvbuf: np.ndarray, root: int, seq: int, timeout: float) -> bool:
-        key = ("scatter", recvbuf.shape, recvbuf.dtype, root)
-        build = self._plan("scatter", recvbuf.dtype, recvbuf.size, None, root)
-        return self._go(key, build, sendbuf, recvbuf, seq, timeout)
-
-    def _all_to_all_now(
-        self, sbuf: np.ndarray, sc: list[int], rbuf: np.ndarray, rc: list[int], seq: int, timeout: float
-    ) -> bool:
-        key, build = self._all_to_all(sbuf, sc, rbuf, rc)
-        return self._go(key, build, sbuf, rbuf, seq, timeout)
-
-    def _barrier_now(self, seq: int, timeout: float) -> bool:
-        return self.size == 1 or self._go(("barrier",), self._plan("barrier"), None, None, seq, timeout)
-
-    def _send_now(self, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
-        key = ("send", buf.shape, buf.dtype, peer, tag)
-        return self._go(key, self._plan("send", buf.dtype, buf.size, peer=peer), buf, None, 0, timeout, tag)
-
-    def _recv_now(self, buf: np.ndarray, peer: int, tag: int, timeout: float) -> bool:
-        key = ("recv", buf.shape, buf.dtype, peer, tag)
-        return self._go(key, self._plan("recv", buf.dtype, buf.size, peer=peer), None, buf, 0, timeout, tag)
+    # -- calls --------------------------------------------------------------------------------------------------
+    def start(self, call: Call, inp: Any, out: Any, seq: int) -> Handle:
+        """Post ``call`` on an executor of its description (see :meth:`Backend.start`)."""
+        if call.p2p and call.root < 0:
+            return _AnySource(self, out, call.tag)
+        if self.composed and call.kind in _COMPOSED:
+            return self.compose(call, inp, out)
+        in_place = call.kind == "all_gather" and inp is None
+        key = (call, in_place)
+        ex = self.executor(call, in_place)
+        try:
+            ex.start(inp, out, seq)
+        except BaseException as e:
+            self._forget(key, ex)
+            raise ex.error(e) from None
+        mine = call.kind != "reduce" or call.root == self.rank
+        finish = functools.partial(average, out, self.size) if call.op is ReduceOp.AVG and mine else None
+        return _Run(self, key, ex, out, finish)
 
     def close_check(self, seq: int, sent: list[int], received: list[int], timeout: float) -> list[tuple[int, int, int]]:
         """The closing exchange (see :meth:`Backend.close_check`), as a stamped plan of its own: a rank that
@@ -454,7 +320,8 @@ class MpiBackend(Backend):
         mine = np.zeros((self.size, 3), np.int64)
         mine[:, 0], mine[:, 1], mine[:, 2] = seq, sent, received
         theirs = np.zeros((self.size, 3), np.int64)
-        ex = _steps.make(self._plan("close")(), self.coll, self.small, -1, self.max_tag + TAG_FAIL)
+        close = plan(Call("close", None, 0), self.rank, self.size, small=self.small)
+        ex = _steps.make(close, self.coll, self.small, -1, self.fail_tag)
         try:
             if not ex.go(mine, theirs, seq) and not ex.wait(timeout):
                 self.abandoned.append(ex)
@@ -473,7 +340,8 @@ class MpiBackend(Backend):
         waiting for anything (see :meth:`Backend.close_failed`)."""
         if self.size == 1:
             return
-        ex = _steps.make(self._plan("close", None, 1)(), self.coll, self.small, -1, self.max_tag + TAG_FAIL)
+        failed = plan(Call("close", None, 1), self.rank, self.size, small=self.small)
+        ex = _steps.make(failed, self.coll, self.small, -1, self.fail_tag)
         ex.start(np.zeros((self.size, 3), np.int64), None, seq)
         self.abandoned.append(ex)  # its sends may never complete (a peer that is gone)
 
@@ -511,9 +379,8 @@ class MpiBackend(Backend):
         self.abandoned += list(self.ops.values())  # some may still run: never started (nor freed) again
         self.ops.clear()
         self.spares.clear()
-        self.summed.clear()
-        for table in self.ready.values():
-            table.clear()
+        self.ready.clear()
+        self.keys.clear()
         if self.size == 1 or self.noticed:
             return
         self.noticed = True
@@ -523,6 +390,10 @@ class MpiBackend(Backend):
                 if p != self.rank:
                     self.abandoned.append((comm.Isend([text, MPI.BYTE], p, self.max_tag + TAG_FAIL), text))
 
+    def terminate(self) -> None:
+        """End every process of the job: MPI_Abort on this communicator (all processes connected to it)."""
+        self.comm.Abort(1)
+
     def close(self) -> None:
         """Free the executors, the duplicates and the communicator (never the world's)."""
         for ex in list(self.ops.values()) + [s for spares in self.spares.values() for s in spares]:
@@ -530,9 +401,8 @@ class MpiBackend(Backend):
                 ex.free()
         self.ops.clear()
         self.spares.clear()
-        self.summed.clear()
-        for table in self.ready.values():
-            table.clear()
+        self.ready.clear()
+        self.keys.clear()
         for comm in self.dups:
             if comm != MPI.COMM_NULL:
                 comm.Free()
@@ -543,46 +413,6 @@ class MpiBackend(Backend):
 
 
 _COMPOSED = ("all_to_all", "gather", "scatter")
-#: the tables of Backend.residents
-_TABLES = (
-    *("broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier"),
-    *("all_to_all_v", "send", "recv"),
-)
-
-
-def _lookups(key: tuple, size: int) -> list[tuple[str, Any]]:
-    """Where the group layer finds the executor of ``key`` (Backend.sums / residents), by byte counts (the
-    executor checks the dtype: another dtype's call is not its, and takes the generic path): (table, entry)
-    pairs; none: only through Backend.fused (another op than SUM, an in-place all_gather)."""
-    kind = key[0]
-    if kind in ("all_reduce", "reduce", "broadcast", "gather", "scatter", "send", "recv"):
-        nbytes = math.prod(key[1]) * key[2].itemsize
-        if kind == "all_reduce":  # (kind, shape, dtype, op)
-            return [("sums", nbytes)] if key[3] is _SUM else []
-        if kind == "reduce":  # (kind, shape, dtype, op, root)
-            return [("reduce", (nbytes, key[4]))] if key[3] is _SUM else []
-        if kind in ("send", "recv"):  # (kind, shape, dtype, peer, tag)
-            return [(kind, (nbytes, key[3], key[4]))]
-        return [(kind, (nbytes, key[3]))]  # broadcast (the buffer), gather and scatter (a chunk), and the root
-    if kind == "barrier":
-        return [("barrier", ())]
-    if kind == "all_gather" and key[1] is None:  # in place: only through Backend.fused
-        return []
-    z = key[3].itemsize  # (kind, input shape, output shape, dtype, ...)
-    sizes = (math.prod(key[1]) * z, math.prod(key[2]) * z)
-    if kind == "all_gather":
-        return [("all_gather", sizes)]
-    if kind == "reduce_scatter":  # (..., op)
-        return [("reduce_scatter", sizes)] if key[4] is _SUM else []
-    if kind == "all_to_all":  # even blocks, whether the caller gave even splits or none
-        rows_in, rows_out = (key[1][0] if key[1] else 1), (key[2][0] if key[2] else 1)
-        even = ((rows_in // size,) * size, (rows_out // size,) * size)
-        return [("all_to_all", sizes), ("all_to_all_v", (*sizes, even))]
-    if kind == "exchange":  # (..., send counts, receive counts): uneven
-        srow, rrow = math.prod(key[1][1:]), math.prod(key[2][1:])  # the callers' split sizes count rows
-        splits = (tuple(c // srow for c in key[4]), tuple(c // rrow for c in key[5]))
-        return [("all_to_all_v", (*sizes, splits))]
-    return []
 
 
 def _agree(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:

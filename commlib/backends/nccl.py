@@ -5,28 +5,33 @@ they are ``cupy.cuda.nccl`` and ``cupy.cuda`` with cupy arrays; with
 ``COMMLIB_NCCL_EMULATOR=1`` they are ``commlib.backends.nccl_emulator`` and its
 ``cuda`` namespace with numpy arrays, so this same code runs in CI without a GPU.
 
-Every operation is enqueued on the group's stream after the caller's current
-stream (through an event), and its handle holds an event recorded after it.
-Buffers are kept alive by the handle until the event has completed.
+Every call is enqueued on the group's stream after the caller's current stream (through an event), and
+nothing else: no host-device copy, no host synchronisation, no allocation, so a call can be captured in a
+CUDA graph. Its handle completes with one event the backend records after each call (the group's calls run
+in issue order on its stream, so the latest record covers every earlier call). The check that every rank
+made the same calls is host-side, off the device's path: each call's description is folded into a running
+digest (collectives; each peer's messages apart), and the ranks compare digests where they meet anyway (the
+closing check) or when a wait lasts (the slow path, through the job's store): ``commlib.backends._digests``.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import zlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from commlib._ops import ReduceOp
-from commlib.arrays import address, bfloat16, device_array, host_array
-from commlib.backends._cuda import load, nccl_unavailable_reason
-from commlib.backends.base import Backend, CallsDiffer, Handle, Meeting, MeetingTimeout, poll
-from commlib.errors import CommError
+from commlib.arrays import address, bfloat16, device_array, host_array, to_host
+from commlib.backends._call import Call, describe
+from commlib.backends._cuda import emulated, load, nccl_unavailable_reason, unavailable
+from commlib.backends._digests import Digests, difference
+from commlib.backends.base import AllOf, Backend, Handle, Meeting, MeetingTimeout, poll
+from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
-__all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unique_id"]
+__all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unavailable", "unique_id", "world"]
 
 _TYPE_NAMES = {
     np.dtype(np.int8): "NCCL_INT8",
@@ -64,7 +69,8 @@ _BOOL_OPS = {
     ReduceOp.MIN: ReduceOp.MIN,
     ReduceOp.BAND: ReduceOp.MIN,
 }
-_BOOL, _SPLIT_NOCOLOR, _INT64 = np.dtype(np.bool_), -1, np.dtype(np.int64)
+_BOOL, _SPLIT_NOCOLOR = np.dtype(np.bool_), -1
+_FLAG = Call("all_reduce", np.dtype(np.float32), 1, ReduceOp.SUM)  # what a barrier runs
 _AVG_SINCE = 21000  # ncclAvg (every type; integers: the sum divided, truncating toward zero) came with NCCL 2.10
 
 
@@ -96,24 +102,31 @@ def _from_torch(kind: type) -> bool:
 
 
 class _EventHandle:
-    """Completion of enqueued work: an event recorded on the group's stream after it."""
+    """Completion of enqueued work: the backend's event, recorded after it (or after later work of the group's
+    stream, which runs after it); an event of its own once :meth:`detach` made one (an asynchronous call)."""
 
-    __slots__ = ("backend", "caller", "check", "event", "keep")
+    __slots__ = ("backend", "caller", "event", "keep", "recorded")
 
-    def __init__(self, backend: NcclBackend, event: Any, keep: tuple, caller: Any) -> None:
+    def __init__(self, backend: NcclBackend, keep: tuple, caller: Any) -> None:
         self.backend = backend
-        self.event = event  # None while the enclosing NCCL group has not ended
         self.keep = keep  # buffers that must outlive the operation
         self.caller = caller  # the stream the caller's work was on when it was enqueued (None on the emulator)
-        self.check: tuple | None = None  # (fingerprints, this rank's, its call in words): see NcclBackend._checked
+        self.recorded = False  # the backend's event covers this work (False while its NCCL group is open)
+        self.event: Any = None
+
+    def _event(self) -> Any:
+        return self.event if self.event is not None else self.backend.done
+
+    def detach(self) -> None:
+        """An asynchronous call: an event of its own, recorded now (right after its work)."""
+        if self.recorded and self.event is None:
+            self.event = self.backend.cuda.Event(disable_timing=True)
+            self.event.record(self.backend.stream)
 
     def test(self) -> bool:
-        if self.event is not None and self.event.done:
+        if self.recorded and self._event().done:
             self.backend.raise_async_error()  # work that ended because the communicator failed did not complete
             self.keep = ()
-            if self.check is not None:
-                check, self.check = self.check, None
-                _verify(*check)
             return True
         self.backend.raise_async_error()
         return False
@@ -123,27 +136,30 @@ class _EventHandle:
 
     def defer(self) -> bool:
         """Make the caller's current stream wait for this work, without blocking the host."""
-        if self.event is None:  # still inside an open NCCL group: nothing recorded to wait on yet
+        if not self.recorded:  # still inside an open NCCL group: nothing recorded to wait on yet
             return False
-        (self.caller or self.backend.caller_stream(self.keep)).wait_event(self.event)
+        (self.caller or self.backend.caller_stream(self.keep)).wait_event(self._event())
         return True
 
 
-def _fingerprint(kind: str, seq: int, dtype: Any, count: int, op: ReduceOp | None, root: int) -> tuple[int, str]:
-    """A call's fingerprint (63 bits: its sequence number and a CRC of what must agree) and its words."""
-    text = (
-        f"{kind} #{seq} ({dtype}, {count} elements"
-        + (f", {op.name}" if op else "")
-        + (f", root {root})" if root >= 0 else ")")
-    )
-    return ((seq & 0x7FFFFFFF) << 32) | zlib.crc32(text.encode()), text
-
-
-def _verify(fingerprints: Any, mine: int, text: str) -> None:
-    """After a checked call: every rank's fingerprint was this rank's (the max and the min of all are)."""
-    got = fingerprints.get() if hasattr(fingerprints, "get") else fingerprints
-    if int(got[0]) != mine or -int(got[1]) != mine:
-        raise CallsDiffer(text)
+def world(place: Any) -> NcclBackend:
+    """The default group's communicator (``commlib.backends.Spec.world``): rank 0 makes the unique id, the
+    ranks' meeting (the MPI world, or the job's store: no MPI needed) carries it, each rank joins with its own."""
+    module, cuda, xp, host = load(emulated())
+    if not host:  # one process per GPU, unless the caller already chose one
+        cuda.Device(place.local_rank % cuda.runtime.getDeviceCount()).use()
+    everyone = list(range(place.size))
+    uid = unique_id(module) if place.rank == 0 else b""
+    uid = place.meeting.rendezvous(everyone, place.timeout, uid, what="the NCCL world's unique id")
+    comm = module.NcclCommunicator(place.size, uid, place.rank)
+    if host and place.rank == 0:
+        print(
+            "commlib: backend 'nccl' is running on the NCCL emulator (CPU, host memory; "
+            "COMMLIB_NCCL_EMULATOR=1), not on GPUs",
+            file=sys.stderr,
+            flush=True,
+        )
+    return NcclBackend(module, cuda, xp, comm, host, place.meeting, everyone)
 
 
 def unique_id(nccl: Any) -> bytes:
@@ -163,6 +179,7 @@ class NcclBackend(Backend):
 
     name = "nccl"
     any_source = False  # NCCL receives only from a named peer
+    ordered_p2p = True  # one stream: a rank's sends and receives run in the order they were posted
     max_tag = 2**31 - 3  # NCCL has no tags: accepted and ignored, as by torch's nccl backend
 
     def __init__(
@@ -183,11 +200,23 @@ class NcclBackend(Backend):
         self._reductions: dict[tuple[Any, ReduceOp], tuple[Any, int, int]] = {}  # (dtype, op) -> (view, type, op)
         self._types = {d: getattr(nccl, n) for d, n in _TYPE_NAMES.items()}
         self._ops = {op: getattr(nccl, n) for op, n in _OP_NAMES.items()}
+        self.done = cuda.Event(disable_timing=True)  # recorded after each call (see _EventHandle)
         self._depth = 0
         self._grouped: list[_EventHandle] = []
-        self._unverified: collections.deque[_EventHandle] = collections.deque()  # device calls to check later
         self._aborted = False
         self._version = int(nccl.get_version())
+        self.running = Digests(self.size)  # the check: every call folded, compared off the device's path
+        self._flag = xp.zeros(1, np.float32)  # barrier's all-reduce, allocated once
+        self._launches: dict[str, Callable[[Call, Any, Any], tuple[Callable[..., None], tuple, tuple]]] = {
+            "all_reduce": self._all_reduce,
+            "reduce": self._reduce,
+            "reduce_scatter": self._reduce_scatter,
+            "broadcast": self._broadcast,
+            "all_gather": self._all_gather,
+            "barrier": self._barrier,
+            "send": self._send,
+            "recv": self._recv,
+        }
 
     def __repr__(self) -> str:
         return f"<NcclBackend rank {self.rank}/{self.size} over {self.comm!r}>"
@@ -225,17 +254,13 @@ class NcclBackend(Backend):
             self._ready.record(caller)
             self.stream.wait_event(self._ready)
         launch(*args, self.stream.ptr)
-        handle = _EventHandle(self, None, keep, caller)
+        handle = _EventHandle(self, keep, caller)
         if self._depth:
             self._grouped.append(handle)
         else:
-            handle.event = self._record()
+            self.done.record(self.stream)
+            handle.recorded = True
         return handle
-
-    def _record(self) -> Any:
-        event = self.cuda.Event(disable_timing=True)
-        event.record(self.stream)
-        return event
 
     def _move(self, a: Any) -> tuple[Any, int, int]:
         """(array as NCCL sees it, count, NCCL datatype) for moving ``a``'s bytes."""
@@ -264,80 +289,75 @@ class NcclBackend(Backend):
         except self.nccl.NcclError as e:
             raise CommError(f"NCCL reported an error: {e}") from None
 
-    # -- the check: every collective with its fingerprint ------------------------------------------
-    def _checked(self, call: tuple, launch: Callable[..., None], args: tuple, keep: tuple) -> _EventHandle:
-        """``launch(*args)`` and, in the same NCCL group, a MAX all-reduce of this call's fingerprint and its
-        negation (``call``: kind, seq, dtype, count, op, root): every rank made the same call exactly when the
-        result is the fingerprint and its negation again. NCCL cannot say what another rank called, only that
-        the calls differ; the check runs when the host learns the work is done (a wait, a test: a call whose
-        stream alone waits is checked once a later call finds it done)."""
-        self._verify_done()
-        mine, text = _fingerprint(*call)
-        prints = self.xp.asarray(np.array([mine, -mine], np.int64))
-        at = address(prints)
+    # -- calls --------------------------------------------------------------------------
+    def start(self, call: Call, inp: Any, out: Any, seq: int) -> Handle:
+        """Fold ``call`` into the digests and enqueue it (see :meth:`Backend.start`); all_to_all, gather and
+        scatter as grouped sends and receives (:meth:`Backend.compose`), as NCCL advises."""
+        kind = call.kind
+        if kind == "send" or kind == "recv":
+            if call.root < 0:
+                raise ValueError("recv: NCCL cannot receive from any source; pass src")
+            self.running.message(call)
+        else:
+            self.running.collective(call, seq)
+        launch = self._launches.get(kind)
+        if launch is None or type(inp) is list or type(out) is list:  # composed; or lists of arrays, in place
+            return (
+                self._reduce_scatter_list(call, inp, out) if kind == "reduce_scatter" else self.compose(call, inp, out)
+            )
+        return self._enqueue(*launch(call, inp, out))
+
+    def _reduce_scatter_list(self, call: Call, inputs: list[Any], out: Any) -> Handle:
+        """reduce_scatter from a list of arrays, without a staging buffer: one reduce per rank, in one group."""
+        handles = []
         self.group_start()
         try:
-            self._enqueue(self.comm.allReduce, (at, at, 2, self._types[_INT64], self._ops[ReduceOp.MAX]), (prints,))
-            handle = self._enqueue(launch, args, keep)
+            for p, a in enumerate(inputs):
+                s, count, dt, nop = self._reduce_args(a, call.op)
+                r = self._move(out)[0] if p == self.rank else s
+                handles.append(self._enqueue(self.comm.reduce, (address(s), address(r), count, dt, nop, p), (s, r)))
         finally:
             self.group_end()
-        handle.check = (prints, mine, text)
-        if not self.host:
-            self._unverified.append(handle)
-        return handle
+        return AllOf(handles)
 
-    def _verify_done(self) -> None:
-        """The checks of earlier device calls whose work is done, oldest first (never waits)."""
-        pending = self._unverified
-        while pending and (pending[0].check is None or (pending[0].event is not None and pending[0].event.done)):
-            handle = pending.popleft()
-            if handle.check is not None:
-                check, handle.check = handle.check, None
-                _verify(*check)
-
-    # -- primitives ---------------------------------------------------------------
-    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int, kind: str = "all_reduce") -> Handle:
-        view, dt, nop = self._reductions.get((sendbuf.dtype, op)) or self._reduction(sendbuf.dtype, op)
-        s = sendbuf if view is None else sendbuf.view(view)
-        r = s if sendbuf is recvbuf else recvbuf if view is None else recvbuf.view(view)
+    def _all_reduce(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
+        view, dt, nop = self._reductions.get((call.dtype, call.op)) or self._reduction(call.dtype, call.op)
+        s = inp if view is None else inp.view(view)
+        r = s if inp is out else out if view is None else out.view(view)
         sptr = address(s)
-        rptr = sptr if r is s else address(r)
-        call = (kind, seq, sendbuf.dtype, sendbuf.size, op, -1)
-        return self._checked(call, self.comm.allReduce, (sptr, rptr, s.size, dt, nop), (s, r))
+        return self.comm.allReduce, (sptr, sptr if r is s else address(r), s.size, dt, nop), (s, r)
 
-    def reduce(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, root: int, seq: int) -> Handle:
-        s, count, dt, nop = self._reduce_args(sendbuf, op)
-        r = self._move(recvbuf)[0]
-        call = ("reduce", seq, sendbuf.dtype, sendbuf.size, op, root)
-        return self._checked(call, self.comm.reduce, (address(s), address(r), count, dt, nop, root), (s, r))
+    def _barrier(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
+        """NCCL has no barrier: an all_reduce of one element stands in for it (as torch does)."""
+        return self._all_reduce(_FLAG, self._flag, self._flag)
 
-    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: ReduceOp, seq: int) -> Handle:
-        s, _, dt, nop = self._reduce_args(sendbuf, op)
-        r, count, _ = self._move(recvbuf)
-        call = ("reduce_scatter", seq, recvbuf.dtype, recvbuf.size, op, -1)
-        return self._checked(call, self.comm.reduceScatter, (address(s), address(r), count, dt, nop), (s, r))
+    def _reduce(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
+        s, count, dt, nop = self._reduce_args(inp, call.op)
+        r = self._move(out)[0]
+        return self.comm.reduce, (address(s), address(r), count, dt, nop, call.root), (s, r)
 
-    def broadcast(self, buf: Any, root: int, seq: int) -> Handle:
-        b, count, dt = self._move(buf)
-        call = ("broadcast", seq, buf.dtype, buf.size, None, root)
-        return self._checked(call, self.comm.bcast, (address(b), count, dt, root), (b,))
+    def _reduce_scatter(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
+        s, _, dt, nop = self._reduce_args(inp, call.op)
+        r, count, _ = self._move(out)
+        return self.comm.reduceScatter, (address(s), address(r), count, dt, nop), (s, r)
 
-    def all_gather(self, sendbuf: Any | None, recvbuf: Any, seq: int) -> Handle:
-        r, total, dt = self._move(recvbuf)
+    def _broadcast(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
+        b, count, dt = self._move(out)
+        return self.comm.bcast, (address(b), count, dt, call.root), (b,)
+
+    def _all_gather(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
+        r, total, dt = self._move(out)
         count = total // self.size
-        sptr = address(r) + self.rank * count * r.itemsize if sendbuf is None else address(self._move(sendbuf)[0])
-        call = ("all_gather", seq, recvbuf.dtype, recvbuf.size // self.size, None, -1)
-        return self._checked(call, self.comm.allGather, (sptr, address(r), count, dt), (sendbuf, r))
+        sptr = address(r) + self.rank * count * r.itemsize if inp is None else address(self._move(inp)[0])
+        return self.comm.allGather, (sptr, address(r), count, dt), (inp, r)
 
-    def send(self, buf: Any, peer: int, tag: int) -> Handle:
-        b, count, dt = self._move(buf)
-        return self._enqueue(self.comm.send, (address(b), count, dt, peer), (b,))
+    def _send(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
+        b, count, dt = self._move(inp)
+        return self.comm.send, (address(b), count, dt, call.root), (b,)
 
-    def recv(self, buf: Any, peer: int | None, tag: int) -> Handle:
-        if peer is None:
-            raise ValueError("recv: NCCL cannot receive from any source; pass src")
-        b, count, dt = self._move(buf)
-        return self._enqueue(self.comm.recv, (address(b), count, dt, peer), (b,))
+    def _recv(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
+        b, count, dt = self._move(out)
+        return self.comm.recv, (address(b), count, dt, call.root), (b,)
 
     def group_start(self) -> None:
         """Open an NCCL group: the p2p calls until ``group_end`` are posted together."""
@@ -345,19 +365,49 @@ class NcclBackend(Backend):
         self._depth += 1
 
     def group_end(self) -> None:
-        """Close the NCCL group; every handle issued inside it completes with one event."""
+        """Close the NCCL group; every handle issued inside it completes with the event recorded after it."""
         self._depth -= 1
         self.nccl.groupEnd()
         if self._depth == 0 and self._grouped:
-            event = self._record()
+            self.done.record(self.stream)
             for handle in self._grouped:
-                handle.event = event
+                handle.recorded = True
             self._grouped = []
 
-    def barrier(self, seq: int) -> Handle:
-        """NCCL has no barrier: an all_reduce of one element stands in for it (as torch does)."""
-        flag = self.xp.zeros(1, np.float32)
-        return self.all_reduce(flag, flag, ReduceOp.SUM, seq, "barrier")
+    # -- the check ----------------------------------------------------------------------
+    def digests(self) -> Digests:
+        """The running digests of this rank's calls (see :meth:`Backend.digests`)."""
+        return self.running
+
+    def close_check(self, seq: int, sent: list[int], received: list[int], timeout: float) -> list[tuple[int, int, int]]:
+        """The closing exchange (see :meth:`Backend.close_check`), with every rank's digests: ranks that made as
+        many calls but other ones (another dtype, size, op, root; messages of another dtype) end in
+        ``CollectiveMismatchError`` naming the first call that differs, on every rank that sees it."""
+        n, me = self.size, self.rank
+        mine = np.concatenate([np.array([seq, *sent, *received], np.int64), self.running.record()])
+        everyone = self.xp.zeros(n * mine.size, np.int64)
+        call = Call("all_gather", mine.dtype, mine.size)
+        if not self._enqueue(*self._all_gather(call, self.xp.asarray(mine), everyone)).wait(timeout):
+            raise CommTimeoutError(f"not every rank ended its calls within {timeout:g} s")
+        table = to_host(everyone).reshape(n, mine.size)
+        rows = [(int(r[0]), int(r[1 + me]), int(r[1 + n + me])) for r in table]
+        ours = Digests.read(mine[1 + 2 * n :], n)
+        for p, r in enumerate(table):
+            if p == me or rows[p][0] != seq:
+                continue  # a count that differs is the group's to say (verdicts.closing)
+            theirs = Digests.read(r[1 + 2 * n :], n)
+            if theirs["calls"] != ours["calls"]:
+                found = difference(ours, theirs)
+                _, mine_words, their_words = found or (seq, f"{seq} collective calls", f"{seq} other collective calls")
+                raise CollectiveMismatchError(
+                    their_words, peer=p, theirs=f"the digest of {their_words}", mine=mine_words
+                )
+            if rows[p][1] == received[p] and theirs["sent"][me] != ours["received"][p]:
+                sent, got = theirs["last_sent"][me], ours["last_received"][p]
+                their_words = f"messages to this rank (the last: {describe(sent) if sent else 'none'})"
+                mine_words = f"messages like those it received (the last: {describe(got) if got else 'none'})"
+                raise CollectiveMismatchError(their_words, peer=p, theirs=their_words, mine=mine_words)
+        return rows
 
     # -- communicators --------------------------------------------------------------
     def split(self, ranks: list[int], timeout: float) -> NcclBackend | None:

@@ -19,9 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import commlib
+
 __all__ = ["COMPUTE", "COMM", "ENV_VAR", "Tracer", "rank_path", "tracer_for"]
 
-ENV_VAR = "COMMLIB_DDP_TRACE"
+ENV_VAR = "COMMLIB_DDP_TRACE"  # the setting's name (commlib.setting reads it)
 COMPUTE, COMM = 0, 1
 _opened: dict[Path, int] = {}  # trace files this process has written, and how many times
 
@@ -88,7 +90,7 @@ class Tracer:
 
 def tracer_for(trace: str | os.PathLike[str] | None, rank: int) -> Tracer | None:
     """A tracer writing ``trace`` (or ``$COMMLIB_DDP_TRACE``) for ``rank``; None when neither is set."""
-    path = trace if trace is not None else os.environ.get(ENV_VAR) or None
+    path = trace if trace is not None else commlib.setting("COMMLIB_DDP_TRACE") or None
     if path is None:
         return None
     if not isinstance(path, (str, os.PathLike)):

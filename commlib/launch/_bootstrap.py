@@ -17,6 +17,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from commlib._settings import value as setting
+
 
 def _line_buffered(stream: Any) -> Any:
     # A fresh buffered layer: under PYTHONUNBUFFERED the original has none to line-buffer.
@@ -67,7 +69,7 @@ class _Lines(io.TextIOBase):
 
 def _record(name: str, text: str) -> None:
     """Leave a note for the launcher (which rank runs as which pid, how it ended)."""
-    folder = os.environ.get("COMMLIB_LAUNCH_STATUS")
+    folder = setting("COMMLIB_LAUNCH_STATUS")
     if folder:
         path = Path(folder) / f"rank{os.environ.get('RANK', 'x')}.{name}"
         tmp = path.with_suffix(".tmp")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from commlib._settings import value as setting
 from commlib.launch._mpiexec import find_mpiexec
 from commlib.launch._supervise import supervise
 
@@ -175,8 +176,7 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
         store = _serve_store(args)  # several nodes: node 0 serves the rendezvous store for the job
-        monitor = _monitor_env(args, env)
-        flight = Path(env["COMMLIB_FLIGHT_DIR"])
+        monitor, flight = _monitor_env(args, env)
         proc = subprocess.Popen(build_command(args), env=env)
 
         def forward(signum: int, _frame: object) -> None:
@@ -229,22 +229,25 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _monitor_env(args: argparse.Namespace, env: dict[str, str]) -> StoreServer | None:
+def _monitor_env(args: argparse.Namespace, env: dict[str, str]) -> tuple[StoreServer | None, Path]:
     """Give the workers a job store that outlives any of them (timeouts name the missing ranks through it),
-    a job id and the flight recorder's folder; return the store server this launcher runs, if any."""
+    a job id and the flight recorder's folder (``COMMLIB_FLIGHT_DIR`` if set); return the store server this
+    launcher runs (if any) and that folder."""
     import secrets
 
     job = f"{os.getpid()}" if args.nnodes == 1 else f"{args.master_addr}-{args.master_port}"
     env["COMMLIB_JOB_ID"] = job
-    if args.logdir is not None or args.redirect_stdout_and_stderr:
+    if setting("COMMLIB_FLIGHT_DIR"):
+        folder = Path(setting("COMMLIB_FLIGHT_DIR"))
+    elif args.logdir is not None or args.redirect_stdout_and_stderr:
         folder = Path(args.logdir or "log").resolve() / "flight"
     else:
         folder = Path(tempfile.gettempdir()) / f"commlib-flight-{job}"
-    env.setdefault("COMMLIB_FLIGHT_DIR", str(folder))
+    env["COMMLIB_FLIGHT_DIR"] = str(folder)
     if args.nnodes > 1:  # node 0's launcher serves the rendezvous store: the monitor shares it
         env["COMMLIB_MONITOR_STORE"] = f"{args.master_addr}:{args.master_port}"
-        env["COMMLIB_MONITOR_TOKEN"] = os.environ.get("COMMLIB_STORE_TOKEN", "")
-        return None
+        env["COMMLIB_MONITOR_TOKEN"] = setting("COMMLIB_STORE_TOKEN")
+        return None, folder
     from commlib.store._server import StoreServer
     from commlib.store._wire import Limits
 
@@ -252,10 +255,10 @@ def _monitor_env(args: argparse.Namespace, env: dict[str, str]) -> StoreServer |
     try:
         server = StoreServer("127.0.0.1", 0, token.encode(), Limits(), None)
     except OSError:
-        return None  # the ranks serve one themselves
+        return None, folder  # the ranks serve one themselves
     env["COMMLIB_MONITOR_STORE"] = f"127.0.0.1:{server.port}"
     env["COMMLIB_MONITOR_TOKEN"] = token
-    return server
+    return server, folder
 
 
 def _print_flight_summary(folder: Path, args: argparse.Namespace, since_ns: int) -> None:
@@ -277,5 +280,5 @@ def _serve_store(args: argparse.Namespace) -> TCPStore | None:
         return None
     from commlib.store import TCPStore
 
-    token = os.environ.get("COMMLIB_STORE_TOKEN")
+    token = setting("COMMLIB_STORE_TOKEN") or None
     return TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False, token=token)

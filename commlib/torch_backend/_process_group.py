@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import commlib
+from commlib import groups
 from commlib.torch_backend._work import LOCK, TorchWork, completed, submit
 
 __all__ = ["CommlibProcessGroup", "reduce_op"]
@@ -64,7 +65,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._label = f"[rank {rank}/{size}] "
-        self._batch_p2p = commlib.get_backend(group) == "nccl"  # see _point_to_point
+        self._batch_p2p = groups.ordered_p2p(group)  # see _point_to_point
         self._queued: list[tuple[TorchWork, Any]] = []
 
     def __repr__(self) -> str:

@@ -42,6 +42,7 @@ _BUSY_S = 0.05
 _SLOW_BYTES_PER_S = 100e6
 _BURST_S = 0.0005  # such a burst of tests, in seconds (it holds LOCK: new calls wait at most this long)
 _LAST_LOOK_S = 0.001  # past its deadline, a Work gets this last wait in commlib, which then raises its timeout error
+_WATCH_AFTER_S, _WATCH_EVERY_S = 0.25, 0.5  # commlib's slow path of a wait (backends.base.poll's): when, how often
 
 
 class TorchWork(dist.Work):
@@ -71,6 +72,8 @@ class TorchWork(dist.Work):
         self._before: Callable[[], None] | None = None  # posts this work first (queued nccl point-to-point)
         self._queue: object = None  # collectives: their group (complete in issue order); None: independent
         self._busy = _BUSY_S + _nbytes(result) / _SLOW_BYTES_PER_S  # seconds it may keep moving data (_BUSY_S)
+        self._started = time.monotonic()
+        self._watch_at = _WATCH_AFTER_S  # seconds after the start when commlib's slow path looks next
 
     def __repr__(self) -> str:
         return f"<commlib TorchWork {self._call} {'completed' if self._done.is_set() else 'pending'}>"
@@ -87,8 +90,12 @@ class TorchWork(dist.Work):
                     self._before()
                 while self._works and (self._works[0].progress(spin) if spin else self._works[0].is_completed()):
                     self._works.pop(0)
-                if self._works and time.monotonic() > self._deadline:
+                now = time.monotonic()
+                if self._works and now > self._deadline:
                     self._expire()
+                if self._works and (waited := now - self._started) > self._watch_at:
+                    self._watch_at = waited + _WATCH_EVERY_S
+                    self._works[0].watch(waited)  # commlib's slow path: publish, judge, fail fast (may raise)
                 if self._works:
                     return False
                 if self._finish is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from commlib._settings import current
 
 __all__ = [
     "INTERNAL_ERROR",
@@ -44,7 +44,6 @@ _MESSAGES = {
     IN_PROGRESS: ("NCCL_ERROR_IN_PROGRESS", "NCCL operation in progress"),
 }
 
-_TIMEOUT_VARIABLE = "COMMLIB_NCCL_EMULATOR_TIMEOUT"
 _DEFAULT_TIMEOUT = 300.0
 
 
@@ -71,12 +70,9 @@ def check_status(status: int) -> None:
 
 
 def op_timeout() -> float:
-    """Seconds any blocking step may take (env COMMLIB_NCCL_EMULATOR_TIMEOUT, default 300), read per call."""
-    raw = os.environ.get(_TIMEOUT_VARIABLE, "")
+    """Seconds any blocking step may take (the setting COMMLIB_NCCL_EMULATOR_TIMEOUT, default 300), read per call."""
     try:
-        value = float(raw) if raw.strip() else _DEFAULT_TIMEOUT
-    except ValueError:
-        raise NcclError(INVALID_ARGUMENT, f"{_TIMEOUT_VARIABLE}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise NcclError(INVALID_ARGUMENT, f"{_TIMEOUT_VARIABLE}={raw!r} must be positive")
-    return value
+        value = current("COMMLIB_NCCL_EMULATOR_TIMEOUT")
+    except ValueError as e:  # the setting's own words: the variable, the value, the rule
+        raise NcclError(INVALID_ARGUMENT, str(e)) from None
+    return _DEFAULT_TIMEOUT if value is None else float(value)

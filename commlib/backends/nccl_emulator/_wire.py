@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from commlib._settings import current
 from commlib._sockets import recv_exact
 
 from ._errors import INVALID_ARGUMENT, INVALID_USAGE, SYSTEM_ERROR, NcclError
@@ -67,7 +68,7 @@ def _resolve(host: str, variable: str) -> str:
 
 def root_address() -> str:
     """The IPv4 address the bootstrap root advertises (see ``nccl_emulator.get_unique_id``)."""
-    explicit = os.environ.get("COMMLIB_NCCL_EMULATOR_ADDR", "").strip()
+    explicit = current("COMMLIB_NCCL_EMULATOR_ADDR").strip()
     if explicit:
         return _resolve(explicit, "COMMLIB_NCCL_EMULATOR_ADDR")
     master = os.environ.get("MASTER_ADDR", "").strip()

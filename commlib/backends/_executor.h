@@ -1,7 +1,7 @@
-/* What the C files of commlib.backends._ready share: _ready.c (the module, setup, spin, span) and _steps.c
- * (Steps: a plan of commlib.backends._plans run in C). See _ready.c's header for the module as a whole. */
-#ifndef COMMLIB_READY_H
-#define COMMLIB_READY_H
+/* What the C files of commlib.backends._executor share: _executor.c (the module, setup, CONSTANTS) and _steps.c
+ * (Steps: a plan of commlib.backends._plans run in C). See _executor.c's header for the module as a whole. */
+#ifndef COMMLIB_EXECUTOR_H
+#define COMMLIB_EXECUTOR_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -10,8 +10,8 @@
 #include <time.h>
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#define PY_ARRAY_UNIQUE_SYMBOL commlib_ready_ARRAY_API
-#ifndef COMMLIB_READY_MAIN
+#define PY_ARRAY_UNIQUE_SYMBOL commlib_executor_ARRAY_API
+#ifndef COMMLIB_EXECUTOR_MAIN
 #define NO_IMPORT_ARRAY
 #endif
 #include <numpy/arrayobject.h>
@@ -27,7 +27,17 @@ typedef int (*post_fn)(void *buf, count_t count, handle_t dtype, int peer, int t
 typedef int (*count_fn)(const void *status, handle_t dtype, count_t *count);
 typedef int (*free_fn)(void *request);
 
-/* MPI, as set up by setup() (_ready.c) */
+/* The numbers the C code shares with its Python twin (exported as CONSTANTS, checked by commlib.backends._native
+ * when it loads this module): the stamp's bytes (commlib.backends._stamp.SIZE), the tags a collective's steps cycle
+ * through (commlib.backends._steps.TAG_SPAN), the plan encoding's buffers and actions (commlib.backends._plans),
+ * and the reduce ops' codes (commlib.backends._call.OP_CODES: ReduceOp's order, from 1). */
+#define STAMP 32
+#define TAG_SPAN 32000
+enum { B_IN = 1, B_OUT = 2, B_TMP = 3 };
+enum { A_COPY = 1, A_REDUCE = 2 };
+enum { O_SUM = 1, O_PRODUCT, O_MIN, O_MAX, O_AVG, O_BAND, O_BOR, O_BXOR };
+
+/* MPI, as set up by setup() (_executor.c) */
 extern start_fn mpi_start;
 extern test_fn mpi_test;
 extern init_fn mpi_send_init, mpi_recv_init;
@@ -43,7 +53,7 @@ int raise_mpi(int code);
 /* CLOCK_MONOTONIC in seconds */
 double monotonic(void);
 
-/* _steps.c: the Steps type (added to the module by PyInit__ready) */
+/* _steps.c: the Steps type (added to the module by PyInit__executor) */
 extern PyTypeObject StepsType;
 
 #endif
