@@ -12,31 +12,14 @@ import functools
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from commlib import backends, env
-from commlib._barrier import barrier, monitored_barrier
-from commlib._collectives import (
-    all_gather,
-    all_gather_into_tensor,
-    all_gather_single,
-    all_reduce,
-    broadcast,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_single,
-    reduce_scatter_tensor,
-)
-from commlib._composed import all_to_all, all_to_all_single, gather, scatter
+from commlib import _barrier, _collectives, _composed, _objects, _p2p, backends, env
+from commlib._barrier import *  # noqa: F403 - the calls: each module's __all__ is its public names
+from commlib._collectives import *  # noqa: F403
+from commlib._composed import *  # noqa: F403
 from commlib._group import ProcessGroup, Work
-from commlib._objects import (
-    all_gather_object,
-    broadcast_object_list,
-    gather_object,
-    recv_object_list,
-    scatter_object_list,
-    send_object_list,
-)
+from commlib._objects import *  # noqa: F403
 from commlib._ops import ReduceOp
-from commlib._p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from commlib._p2p import *  # noqa: F403
 from commlib._world import (
     GroupMember,
     destroy_process_group,
@@ -69,7 +52,12 @@ from commlib.store._hash import HashStore
 
 __version__ = "0.1.0"
 
-__all__ = [
+__all__ = [  # the calls (each module's public names), then the rest
+    *_barrier.__all__,
+    *_collectives.__all__,
+    *_composed.__all__,
+    *_objects.__all__,
+    *_p2p.__all__,
     "Backend",
     "BackendUnavailableError",
     "CollectiveMismatchError",
@@ -83,29 +71,15 @@ __all__ = [
     "GroupBrokenError",
     "GroupMember",
     "HashStore",
-    "P2POp",
     "PrefixStore",
     "ProcessGroup",
     "ReduceOp",
     "Store",
     "TCPStore",
     "Work",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_gather_single",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "batch_isend_irecv",
-    "broadcast",
-    "broadcast_object_list",
     "default_pg_timeout",
     "destroy_process_group",
     "env",
-    "gather",
-    "gather_object",
     "get_backend",
     "get_global_rank",
     "get_group_rank",
@@ -115,7 +89,6 @@ __all__ = [
     "get_world_size",
     "group",
     "init_process_group",
-    "irecv",
     "is_available",
     "is_backend_available",
     "is_gloo_available",
@@ -123,21 +96,9 @@ __all__ = [
     "is_mpi_available",
     "is_nccl_available",
     "is_torchelastic_launched",
-    "isend",
-    "monitored_barrier",
     "new_group",
     "new_subgroups",
     "new_subgroups_by_enumeration",
-    "recv",
-    "recv_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "send_object_list",
     "setting",
 ]
 

@@ -37,17 +37,12 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_single",
-    "reduce_scatter_single",
     "all_reduce",
     "broadcast",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
-    "in_place",
-    "ran_ready",
-    "root_rank",
-    "check_list",
-    "pair",
 ]
 
 

@@ -101,12 +101,12 @@ def all_to_all_single(
     _own_block(g, call, sc, rc, "input_split_sizes", "output_split_sizes")
     if g.xp.may_share_memory(out, inp):
         inp = inp.copy()
-    key: Any = ("all_to_all", inp.nbytes, out.nbytes)
+    fast: Any = ("all_to_all", inp.nbytes, out.nbytes)  # its key in the ready table
     if input_split_sizes is not None or output_split_sizes is not None:
         sizes = (input_split_sizes, output_split_sizes)
         plain = all(type(x) is list and _INT.issuperset(map(type, x)) for x in sizes)
-        key = (*key, tuple(input_split_sizes), tuple(output_split_sizes)) if plain else None  # type: ignore[arg-type]
-    return g.call(call, _exchange(inp.dtype, sc, rc), inp, out, async_op, None, key)
+        fast = (*fast, tuple(input_split_sizes or ()), tuple(output_split_sizes or ())) if plain else None
+    return g.call(call, _exchange(inp.dtype, sc, rc), inp, out, async_op, None, fast)
 
 
 def _exchange(dtype: Any, sc: list[int], rc: list[int]) -> Call:
@@ -206,8 +206,8 @@ def gather(
     if outs is not None and (flat is None or g.xp.may_share_memory(flat, inp)):
         flat = staging = g.xp.empty(g.size * inp.size, inp.dtype)
         finish = lambda: unpack(staging, outs)  # noqa: E731
-    key = ("gather", *key) if key is not None and (outs is None or type(outs) is list) else None
-    return g.call("gather", Call("gather", inp.dtype, inp.size, None, root), inp, flat, async_op, finish, key)
+    ready = ("gather", *key) if key is not None and (outs is None or type(outs) is list) else None
+    return g.call("gather", Call("gather", inp.dtype, inp.size, None, root), inp, flat, async_op, finish, ready)
 
 
 def scatter(
@@ -229,5 +229,5 @@ def scatter(
     send = None if ins is None else packed(ins)
     if ins is not None and (send is None or g.xp.may_share_memory(send, out)):
         send = g.xp.concatenate([a.reshape(-1) for a in ins])
-    key = ("scatter", *key) if key is not None else None
-    return g.call("scatter", Call("scatter", out.dtype, out.size, None, root), send, out, async_op, None, key)
+    ready = ("scatter", *key) if key is not None else None
+    return g.call("scatter", Call("scatter", out.dtype, out.size, None, root), send, out, async_op, None, ready)

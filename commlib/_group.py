@@ -23,8 +23,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from commlib._diagnostics import debug as _debug
+from commlib._diagnostics import devicewatch, verdicts
 from commlib._diagnostics import flight as _flight
-from commlib._diagnostics import verdicts
 from commlib._diagnostics import waits as _waits
 from commlib._timeouts import as_seconds
 from commlib.arrays import host_array
@@ -99,6 +99,8 @@ class ProcessGroup:
         # The backend's ready operations, by the key each public function builds from its arguments (the fast
         # path: see commlib._collectives); None when this group cannot use them.
         self.ready = backend.ready if backend is not None and self.host and not self.detail else None
+        if backend is not None and not self.host and rank >= 0 and backend.digests() is not None:
+            devicewatch.watch(self)  # the host never waits on the device path: a thread compares the digests
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name!r} ranks={self.ranks} backend={self.backend_name}>"
@@ -167,6 +169,7 @@ class ProcessGroup:
         order) or None (no input; no output on this rank).
         """
         seq = self.seq + 1
+        done: bool | BaseException | None
         try:
             done = p.go(inp, out, seq)  # start, a few tests: most small calls end here
         except BaseException as e:
@@ -199,6 +202,7 @@ class ProcessGroup:
     def run_p2p(self, name: str, p: ReadyOp, inp: Any, out: Any, counted: bool = False) -> bool:
         """A blocking send or receive through a ready operation (as :meth:`run_ready`, not numbered nor recorded),
         counted for the closing check unless ``counted``; False: the arrays are not its (nothing happened)."""
+        done: bool | BaseException | None
         try:
             done = p.go(inp, out, 0)
         except BaseException as e:
@@ -360,20 +364,20 @@ class ProcessGroup:
         explained as ranks that disagree."""
         if slot >= 0:
             _ring.end(slot, self, seq, ok=False)
-        peer = getattr(err, "peer", None)
-        if peer is not None and not getattr(err, "_commlib_worded", False):
-            who = self.ranks[peer] if 0 <= peer < self.size else peer
+        if type(err) is CommError and self.backend is not None and self.backend.digests() is not None:
+            err = devicewatch.compare(self) or err  # the engine failed (NCCL): do the ranks' calls differ? which?
+        if isinstance(err, (CollectiveMismatchError, GroupBrokenError)) and err.peer is not None and not err.context:
+            who = self.ranks[err.peer] if 0 <= err.peer < self.size else err.peer
+            what = self.what(call, seq)
+            out: CollectiveMismatchError | GroupBrokenError
             if isinstance(err, GroupBrokenError):  # a peer's group failed first: say which and why
-                out: CommError = GroupBrokenError(
-                    verdicts.gave_up(self.what(call, seq), who, err.reason or ""), peer=peer, reason=err.reason
-                )
+                out = GroupBrokenError(verdicts.gave_up(what, who, err.reason or ""), peer=err.peer, reason=err.reason)
             else:
-                assert isinstance(err, CollectiveMismatchError)
-                text = verdicts.mismatch(self.what(call, seq), who, err.theirs or "", err.mine or "")
+                text = verdicts.mismatch(what, who, err.theirs or "", err.mine or "")
                 out = CollectiveMismatchError(
-                    text + self.dumped(f"mismatch in {call} #{seq}"), peer=peer, theirs=err.theirs, mine=err.mine
+                    text + self.dumped(f"mismatch in {call} #{seq}"), peer=err.peer, theirs=err.theirs, mine=err.mine
                 )
-            out._commlib_worded = True  # type: ignore[attr-defined]
+            out.context = what
             self.mark_broken(out)
             raise out from None
         if isinstance(err, TransportError):  # the engine failed inside the call: the ranks most likely disagree
@@ -383,6 +387,10 @@ class ProcessGroup:
             )
             self.mark_broken(out)
             raise out from err
+        if type(err) is CommError:  # the engine's own words: say which call
+            failed = CommError(f"{self.what(call, seq)} failed: {err}; the group is now unusable")
+            self.mark_broken(failed)
+            raise failed from err
         self.mark_broken(err)
         raise err
 

@@ -8,7 +8,7 @@ __all__ = ["ReduceOp", "as_reduce_op"]
 
 
 class ReduceOp(enum.Enum):
-    """Reduction operator for all_reduce, reduce and reduce_scatter (torch.distributed's members)."""
+    """Reduction operator of the reducing collectives (torch.distributed's members)."""
 
     SUM = "sum"
     PRODUCT = "prod"

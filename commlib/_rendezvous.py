@@ -52,6 +52,7 @@ def make_world(
         raise BackendUnavailableError(f"init_process_group: {why}")
     if mpi_launched() or (info.world_size == 1 and store is None):
         mpi = launched_world(info, timeout, functools.partial(rendezvous_store, init_method, info, timeout))
+        atexit.register(mpi.close)  # its operations freed before MPI finalizes (after the closing checks, made later)
         backend = spec.world(Place(info.rank, info.world_size, info.local_rank, timeout, mpi, None, mpi))
         _diagnose(mpi, timeout, None, mpi.terminate)
         return _group(backend, timeout), None

@@ -13,7 +13,7 @@ from commlib._group import ProcessGroup
 from commlib._rendezvous import make_world
 from commlib._settings import current
 from commlib._timeouts import as_seconds
-from commlib.backends import Spec, choose
+from commlib.backends import REPORTED, Spec, choose
 from commlib.backends.base import Backend
 from commlib.errors import CommTimeoutError
 
@@ -114,8 +114,8 @@ def init_process_group(
     world.timeout = seconds
     _state.world, _state.implicit, _state.destroyed = world, False, False
     # the name get_backend() reports as torch's does: "gloo" (run on the mpi engine), a registered backend's own
-    gloo = isinstance(backend, str) and backend.lower() == "gloo"
-    _state.asked = "gloo" if gloo else spec.name if spec.name != world.backend_name else None
+    given = backend.lower() if isinstance(backend, str) else None
+    _state.asked = given if given in REPORTED else spec.name if spec.name != world.backend_name else None
     if world not in _state.groups:
         _state.groups.insert(0, world)
 

@@ -37,6 +37,7 @@ class GroupBrokenError(CommError):
     def __init__(self, message: str = "", *, peer: int | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.peer, self.reason = peer, reason
+        self.context: str | None = None  # the group's call the message names (None: a backend's raw words)
 
 
 class CollectiveMismatchError(CommError):
@@ -58,6 +59,7 @@ class CollectiveMismatchError(CommError):
     ) -> None:
         super().__init__(message)
         self.peer, self.theirs, self.mine, self.calls = peer, theirs, mine, calls
+        self.context: str | None = None  # the group's call the message names (None: a backend's raw words)
 
 
 class TransportError(CommError):

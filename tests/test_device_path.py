@@ -188,3 +188,57 @@ def test_host_arrays_are_refused_for_device_memory() -> None:
     ctx = type("Ctx", (), {"label": "[rank 0/1] "})()
     with pytest.raises(TypeError, match=r"x must be a GPU array for the nccl backend .* got numpy.ndarray"):
         device_array(np.ones(2), ctx, "all_reduce", "x")
+
+
+# -- the device path's watchdog: a mismatched program ends although the host never waits --------------------------
+
+
+def device_mismatch_job(case: str) -> tuple:
+    """Two ranks on the device path (the emulator's streams as the GPU, ``host=False``): rank 1 calls another
+    dtype of the same byte count (NCCL would run it, wrong) or another size (NCCL would hang); the host never
+    waits in commlib. The watchdog thread finds the digests differ and aborts: the host's wait on its stream
+    ends and its next call raises, naming both calls."""
+    import time
+
+    import numpy as np
+
+    import commlib as dist
+    from commlib._group import ProcessGroup
+    from commlib.backends import nccl_emulator as emu
+    from commlib.backends.nccl import NcclBackend, unique_id
+
+    dist.init_process_group("mpi")  # the job's store and MPI world (to carry the unique id)
+    r = dist.get_rank()
+    uid = np.frombuffer(unique_id(emu), np.uint8).copy() if r == 0 else np.zeros(128, np.uint8)
+    dist.broadcast(uid, src=0)
+    backend = NcclBackend(emu, emu.cuda, np, emu.NcclCommunicator(2, uid.tobytes(), r), host=False)
+    g = ProcessGroup(backend, [0, 1], r, "device", 60.0, f"[rank {r}/2] ")
+    g.buffer = lambda obj, ctx, call, arg, writable=True: obj  # numpy stands in for device arrays here
+    x = np.ones(4, np.float32) if r == 0 or case == "other size" else np.ones(2, np.float64)
+    if case == "other size" and r == 1:
+        x = np.ones(8, np.float32)
+    start = time.monotonic()
+    dist.all_reduce(x, group=g)  # enqueued: the host goes on
+    emu.cuda.get_current_stream().synchronize()  # the host waits on the device, not in commlib (other size: hangs)
+    time.sleep(4 * 0.5)  # the program goes on a while (the watchdog looks every half second)
+    waited = time.monotonic() - start
+    try:
+        dist.all_reduce(x, group=g)
+        outcome = (waited, "no error", "")
+    except dist.GroupBrokenError as e:
+        outcome = (waited, type(e.__cause__).__name__, str(e.__cause__))
+    dist.barrier()  # on the world (mpi): both ranks are done with the device group
+    return outcome
+
+
+@pytest.mark.parametrize("case", ["same bytes", "other size"])
+def test_the_device_watchdog_ends_a_mismatched_program(case: str) -> None:
+    from commlib.testing import run
+
+    env = {"COMMLIB_NCCL_EMULATOR_TIMEOUT": "60"}
+    for rank, (waited, kind, message) in enumerate(run(device_mismatch_job, 2, case, timeout=120, env=env)):
+        assert kind == "CollectiveMismatchError", (rank, kind, message)
+        assert "all_reduce #1 (float32, 4 elements, SUM)" in message, message
+        other = "float64, 2 elements" if case == "same bytes" else "float32, 8 elements"
+        assert f"all_reduce #1 ({other}, SUM)" in message, message
+        assert waited < 10, waited  # the watchdog's half-second looks, not the emulator's 60 s timeout

@@ -14,6 +14,7 @@ PIECE = 4096  # bytes: small pieces, so a modest buffer splits into many (the la
 def pieces_job() -> list[str]:
     import commlib as dist
     from commlib._world import _state
+    from commlib.backends._call import Call
     from commlib.backends._plans import plan
 
     n, me = dist.get_world_size(), dist.get_rank()
@@ -22,7 +23,7 @@ def pieces_job() -> list[str]:
     assert backend.piece == PIECE and backend.small < PIECE, (backend.piece, backend.small)
     for dtype in (np.float64, np.int32, np.float32):
         x = np.arange(10_001, dtype=dtype) + me  # 10,001 elements: 10-20 pieces, the last partial
-        p = plan("all_reduce", me, n, x.dtype, x.size, dist.ReduceOp.SUM, small=backend.small, piece=PIECE)
+        p = plan(Call("all_reduce", x.dtype, x.size, dist.ReduceOp.SUM), me, n, small=backend.small, piece=PIECE)
         assert len(p.steps) > 4 + 1, (dtype, len(p.steps))
         expect = n * np.arange(10_001, dtype=dtype) + sum(range(n))
         dist.all_reduce(x)  # blocking

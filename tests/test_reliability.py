@@ -66,8 +66,8 @@ def test_detail_lists_every_ranks_call(backend: str) -> None:
         assert kind == "CollectiveMismatchError", res["op"]
         assert message.startswith(f"[rank {rank}/{n}] "), message
         assert (
-            "rank 0: all_reduce(seq 1, float32[4], SUM) / rank 1: all_gather(seq 1, float32[4]) / "
-            "rank 2: all_reduce(seq 1, float32[4], SUM)" in message
+            "rank 0: all_reduce #1 (float32, 4 elements, SUM) / rank 1: all_gather #1 (float32, 4 elements) / "
+            "rank 2: all_reduce #1 (float32, 4 elements, SUM)" in message
         ), message
         assert waited < 5, waited  # found by the check, not by a timeout
         assert "failed earlier and cannot be used" in later, later
@@ -75,8 +75,8 @@ def test_detail_lists_every_ranks_call(backend: str) -> None:
         assert res["shape recorded"] == [("all_reduce", 1, "failed")], res
         kind, message, _, _ = res["shape"]
         assert kind == "CollectiveMismatchError", res["shape"]
-        assert "rank 1: all_reduce(seq 1, float32[8], SUM)" in message, message
-        assert "rank 0: all_reduce(seq 1, float32[4], SUM)" in message, message
+        assert "rank 1: all_reduce #1 (float32, 8 elements, SUM)" in message, message
+        assert "rank 0: all_reduce #1 (float32, 4 elements, SUM)" in message, message
 
 
 def undetected_mismatch_job(size: int) -> tuple:

@@ -24,7 +24,14 @@ def executors_job(mode: str) -> dict:
 
     from commlib._ops import ReduceOp
     from commlib.backends import _native, _steps
-    from commlib.backends._plans import plan
+    from commlib.backends._call import Call
+    from commlib.backends._plans import plan as _plan
+
+    def plan(
+        kind, rank, size, dtype=None, count=0, op=None, root=-1, *, small, piece=0, counts=None, in_place=False, peer=-1
+    ):  # type: ignore[no-untyped-def]
+        call = Call(kind, dtype, count, op, peer if kind in ("send", "recv") else root, splits=counts)
+        return _plan(call, rank, size, small=small, piece=piece, in_place=in_place)
 
     comm = MPI.COMM_WORLD.Dup()
     r, n = comm.Get_rank(), comm.Get_size()

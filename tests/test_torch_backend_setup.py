@@ -148,3 +148,47 @@ def test_the_backend_uses_only_commlibs_public_api() -> None:
                 if parts[0] == "mpi4py":
                     bad.append(f"{path.name} imports {name}")
     assert bad == []
+
+
+_UNMATCHED = """
+import sys, time
+import torch
+import torch.distributed as dist
+import commlib
+
+way = sys.argv[1]
+dist.init_process_group(backend="commlib")
+rank = dist.get_rank()
+t = torch.ones(1 << 20)  # 4 MiB: a send that needs its receive (a small one completes at once, buffered)
+start = time.monotonic()
+try:
+    if rank == 0:
+        (dist.send if way == "send" else dist.recv)(t, 1)  # the peer never posts the matching call
+    else:
+        dist.all_reduce(t)  # it waits in a collective rank 0 has not reached
+    print(f"rank {rank} returned", flush=True)
+except Exception as e:
+    print(f"rank {rank} {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("way", ["send", "recv"])
+def test_an_unmatched_send_or_recv_under_torchrun_ends_at_once(way: str, tmp_path: Path) -> None:
+    """torch's own wait (TorchWork.wait) goes through commlib's slow path: the send (receive) whose peer waits in a
+    collective this rank has not reached ends with CollectiveMismatchError within 2 s, on default settings (the
+    timeout is 30 minutes), not at the timeout; the peer learns of it. (A small send completes at once, buffered,
+    as MPI's: the program's closing check names it.)"""
+    from jobs import clean_env, run_job
+
+    script = tmp_path / "unmatched.py"
+    script.write_text(_UNMATCHED)
+    env = {k: v for k, v in clean_env(PYTHONPATH=str(ROOT)).items() if k != "COMMLIB_TIMEOUT"}  # default settings
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), way]
+    done = run_job(cmd, timeout=120, env=env)
+    text = done.stdout + done.stderr
+    first = next((line for line in done.stdout.splitlines() if line.startswith("rank 0 ")), "")
+    assert "CollectiveMismatchError" in first, done.tail()
+    assert f"{way} to rank 1" in first or f"{way} from rank 1" in first, first
+    seconds = float(first.split(" after ")[1].split(" s:")[0])
+    assert seconds < 2.0, first
+    assert "rank 1 GroupBrokenError" in text or "rank 1 CollectiveMismatchError" in text, done.tail()

@@ -79,7 +79,10 @@ def test_calls_after_destroy_raise_and_get_backend_names_what_was_asked() -> Non
 
 
 def test_backend_register_backend_as_torchs() -> None:
+    """torch's names and refusals; a creator that makes no commlib backend (a torch ProcessGroup's, here None) is
+    refused when the group is made, saying why (a registered backend that works: tests/test_registry.py)."""
     dist = pytest.importorskip("torch.distributed")
+    from commlib import backends
 
     def creator(*args: Any) -> None:
         return None
@@ -91,18 +94,17 @@ def test_backend_register_backend_as_torchs() -> None:
         commlib.Backend.register_backend("fancy", creator, extended_api=True, devices="cpu")  # again: no change
         assert commlib.Backend.FANCY == "fancy" and commlib.Backend("FANCY") == "fancy"  # type: ignore[attr-defined]
         assert commlib.Backend.backend_list == ["gloo", "nccl", "mpi", "fancy"]
-        assert not commlib.is_backend_available("fancy")
-        with pytest.raises(
-            ValueError, match=re.escape("registered with Backend.register_backend: a torch ProcessGroup runs")
-        ):
-            commlib.init_process_group("fancy")
-        assert not commlib.is_initialized()
+        assert commlib.is_backend_available("fancy")
+        spec = backends.find("FANCY")
+        assert spec is not None and spec.name == "fancy"
+        place = backends.Place(0, 1, 0, 5.0, meeting=None, store=commlib.HashStore())
+        with pytest.raises(TypeError, match=re.escape("backend 'fancy''s creator returned NoneType, not a commlib")):
+            spec.world(place)
     finally:
-        from commlib._world import REGISTERED
-
-        REGISTERED.pop("fancy", None)
+        backends.unregister("fancy")
         commlib.Backend.backend_list.remove("fancy")
         delattr(commlib.Backend, "FANCY")
+    assert not commlib.is_backend_available("fancy")
     with pytest.raises(ValueError, match="'gloo' is one of commlib's own backends"):
         commlib.Backend.register_backend("gloo", creator)
     with pytest.raises(TypeError, match=re.escape("Backend.register_backend: func must be callable")):

@@ -71,7 +71,7 @@ def test_commlib_launch_prints_the_traceback_and_names_the_rank(tmp_path: Path) 
 
 ABORT_RETURNS = """
 import atexit, fcntl, struct, sys, termios
-from commlib._diagnostics import monitor
+from commlib._diagnostics import abort as commlib_abort
 
 atexit.register(lambda: print("the exit handlers ran", flush=True))
 print("x" * 20000, flush=True)  # more than the reader has read when the exception is raised
@@ -83,7 +83,7 @@ def abort():  # as MPICH's MPI_Abort under hydra: it returns (hydra kills the jo
     sys.stderr.flush()
 
 
-monitor.install_excepthook(abort)
+commlib_abort.install_excepthook(abort, 0, 1)
 raise ValueError("boom")
 """
 

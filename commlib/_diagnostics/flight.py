@@ -97,7 +97,7 @@ def _state(t0: int, t1: int) -> str:
 
 def entries() -> list[dict[str, Any]]:
     """The recorded collectives, oldest first, as plain dicts."""
-    out = []
+    out: list[dict[str, Any]] = []
     for i in range(len(ring.starts)):
         r = ring.record(i)
         if r is None:

@@ -36,7 +36,7 @@ class _State:
     def __init__(self) -> None:
         self.address: tuple[str, int, str] | None = None  # host, port, token
         self.client: Any = None
-        self.dead: str | None = None  # why the store is not used any more
+        self.dead: str | None = "no job store yet (no world was made)"  # why there is no store to use
         self.server: Any = None  # the StoreServer when this process serves it (world rank 0)
         self.lock = threading.Lock()
 

@@ -45,9 +45,11 @@ def words(w: Waiting) -> str:
     """The call ``w`` waits in, in words: a collective's description, or ``recv from rank 1``."""
     if w.seq == 0:
         g = w.group
-        way = "to" if w.call in ("send", "isend") else "from"
+        way = "to" if w.call in ("send", "isend") or (w.desc is not None and w.desc.kind == "send") else "from"
         peer = "any rank" if w.peer < 0 else f"rank {g.ranks[w.peer]}"
-        return f"{w.call} {way} {peer}"
+        if w.call in ("send", "recv"):
+            return f"{w.call} {way} {peer}"
+        return f"the wait for an {w.call} {way} {peer}"  # a Work's: isend, irecv, one of a batch
     return describe(w.desc, w.seq) if w.desc is not None else f"{w.call} #{w.seq}"
 
 
@@ -76,12 +78,10 @@ def read(g: Any, group_rank: int) -> Progress | None:
         return None
     try:
         r = json.loads(text)
-        counts = None
-        if "sent" in r:
-            counts = (
-                {int(p): int(n) for p, n in r["sent"].items()},
-                {int(p): int(n) for p, n in r["received"].items()},
-            )
-        return Progress(int(r["seq"]), str(r["call"]), r.get("what"), *(counts or (None, None)), int(r.get("any", 0)))
+        sent = {int(p): int(n) for p, n in r["sent"].items()} if "sent" in r else None
+        received = {int(p): int(n) for p, n in r["received"].items()} if "received" in r else None
+        return Progress(
+            int(r["seq"]), str(r["call"]), r.get("what"), sent, received, int(r.get("any", 0)), r.get("digests")
+        )
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -97,9 +97,10 @@ def differing_calls(mine: str, others: dict[int, str]) -> bool:
 
 class Progress:
     """Where a rank was last seen waiting, as it published it: its call number (0: a send or a receive), the
-    call, the call in words (or None), and its posted sends and receives by peer (group ranks), or None."""
+    call, the call in words (or None), its posted sends and receives by peer (group ranks), or None, and its
+    backend's running digests (``Digests.summary``), or None."""
 
-    __slots__ = ("any", "call", "received", "sent", "seq", "what")
+    __slots__ = ("any", "call", "digests", "received", "sent", "seq", "what")
 
     def __init__(
         self,
@@ -109,9 +110,11 @@ class Progress:
         sent: dict[int, int] | None = None,
         received: dict[int, int] | None = None,
         any: int = 0,
+        digests: dict | None = None,
     ) -> None:
         self.seq, self.call, self.what = seq, call, what
         self.sent, self.received, self.any = sent, received, any
+        self.digests = digests
 
     def words(self) -> str:
         """``all_reduce #3``, or a send's or receive's own description."""

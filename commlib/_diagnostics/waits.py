@@ -22,7 +22,7 @@ class Waiting(NamedTuple):
     desc: Any  #: its description (``commlib.backends._call.Call``), or None
     seq: int  #: its number on the group (0: a send or a receive, which are not numbered)
     peer: int = -1  #: a send's or receive's peer (group rank; -1: any rank, or none)
-    index: int = 0  #: which of this rank's sends to (receives from) the peer it is (1: the first; 0: unknown)
+    nth: int = 0  #: which of this rank's sends to (receives from) the peer it is (1: the first; 0: unknown)
 
 
 _local = threading.local()

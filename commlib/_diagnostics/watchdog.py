@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from commlib._diagnostics import jobstore, progress, verdicts
+from commlib._diagnostics import devicewatch, jobstore, progress, verdicts
 from commlib._diagnostics import waits as _waits
 from commlib.errors import CollectiveMismatchError, GroupBrokenError
 
@@ -40,6 +40,7 @@ def setup(backend: Any, timeout: float, store: Any = None) -> None:
 
     _state.failure_raised = False
     progress.new_world()
+    devicewatch.new_world()
     if jobstore.setup(backend, timeout, store):
         _base.watchdog = watchdog
 
@@ -78,10 +79,10 @@ def _judge(w: _waits.Waiting) -> None:
     if mine is not None:
         _compare_digests(w, mine.summary())
     if w.seq == 0:  # a send or a receive: does its peer wait in a collective this rank has not reached?
-        if w.peer < 0 or not w.index or g.tagged:
+        if w.peer < 0 or not w.nth or g.tagged:
             return
         kind = "send" if w.call in ("send", "isend") else "recv"
-        why = verdicts.unmatched(kind, g.rank, g.seq, w.index, progress.read(g, w.peer))
+        why = verdicts.unmatched(kind, g.rank, g.seq, w.nth, progress.read(g, w.peer))
         if why is not None:
             raise CollectiveMismatchError(
                 f"{g.what(progress.words(w), 0)}: the ranks are not making matching calls: rank {g.ranks[w.peer]} "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "REPORTED",
     "ALIASES",
     "DEFAULT_TIMEOUT",
     "REGISTRY",
@@ -74,6 +75,8 @@ REGISTRY: dict[str, Spec] = {
 }
 #: other names ``init_process_group`` takes, as torch scripts spell them
 ALIASES = {"gloo": "mpi", "cpu": "mpi"}
+#: aliases ``get_backend()`` reports as given, as torch does (a script that asked for gloo checks for it)
+REPORTED = frozenset({"gloo"})
 _OWN = frozenset((*REGISTRY, *ALIASES))
 
 #: ``launched_world(info, timeout, open_store)``: the MPI world of a job an MPI launcher started (mpiexec, srun,

@@ -34,8 +34,6 @@ __all__ = [
     "describe",
     "digest",
     "message",
-    "reducing",
-    "rooted",
 ]
 
 #: every kind of call, in the order of their codes (index + 1): collectives, a message, a group's closing exchange
@@ -51,16 +49,13 @@ DTYPE_BY_CODE = {i: d for d, i in DTYPE_CODES.items()}
 OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 OP_BY_CODE = {i: op for op, i in OP_CODES.items()}
 
-_REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter"})
-_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
-
 
 class Call(NamedTuple):
     """A call as every rank of its group must agree on it (see the module docstring for ``count``)."""
 
     kind: str  #: one of :data:`KINDS`
     dtype: np.dtype | None  #: the elements' dtype; None: no data (barrier)
-    count: int  #: the elements every rank agrees on
+    count: int  # type: ignore[assignment]  #: the elements every rank agrees on (shadows tuple.count)
     op: ReduceOp | None = None  #: the reduction (all_reduce, reduce, reduce_scatter)
     root: int = -1  #: the root's group rank; a send's or receive's peer; -1: none
     tag: int = 0  #: a send's or receive's tag
@@ -116,13 +111,3 @@ def codes(call: Call) -> tuple[int, int, int, int, int]:
 def digest(call: Call) -> int:
     """A 64-bit digest of what every rank agrees on about ``call`` (:func:`codes`), the same in every process."""
     return int.from_bytes(hashlib.blake2b(_AGREED.pack(*codes(call)), digest_size=8).digest(), "little")
-
-
-def reducing(kind: str) -> bool:
-    """Whether calls of ``kind`` take a reduce op."""
-    return kind in _REDUCING
-
-
-def rooted(kind: str) -> bool:
-    """Whether calls of ``kind`` have a root."""
-    return kind in _ROOTED

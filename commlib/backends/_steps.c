@@ -117,18 +117,20 @@ static acc_fn
 native_acc(int type, int op, Py_ssize_t *scale)
 {
     *scale = 1;
+#define ARITHMETIC(S)                                                                                              \
+    case O_SUM:                                                                                                    \
+    case O_AVG:                                                                                                    \
+        return sum_##S;                                                                                            \
+    case O_PRODUCT:                                                                                                \
+        return prod_##S;                                                                                           \
+    case O_MIN:                                                                                                    \
+        return min_##S;                                                                                            \
+    case O_MAX:                                                                                                    \
+        return max_##S;
 #define INT_CASE(NPY, S)                                                                                           \
     case NPY:                                                                                                      \
         switch (op) {                                                                                              \
-        case O_SUM:                                                                                                \
-        case O_AVG:                                                                                                \
-            return sum_##S;                                                                                        \
-        case O_PRODUCT:                                                                                            \
-            return prod_##S;                                                                                       \
-        case O_MIN:                                                                                                \
-            return min_##S;                                                                                        \
-        case O_MAX:                                                                                                \
-            return max_##S;                                                                                        \
+            ARITHMETIC(S)                                                                                          \
         case O_BAND:                                                                                               \
             return band_##S;                                                                                       \
         case O_BOR:                                                                                                \
@@ -140,15 +142,7 @@ native_acc(int type, int op, Py_ssize_t *scale)
 #define FLOAT_CASE(NPY, S)                                                                                         \
     case NPY:                                                                                                      \
         switch (op) {                                                                                              \
-        case O_SUM:                                                                                                \
-        case O_AVG:                                                                                                \
-            return sum_##S;                                                                                        \
-        case O_PRODUCT:                                                                                            \
-            return prod_##S;                                                                                       \
-        case O_MIN:                                                                                                \
-            return min_##S;                                                                                        \
-        case O_MAX:                                                                                                \
-            return max_##S;                                                                                        \
+            ARITHMETIC(S)                                                                                          \
         }                                                                                                          \
         return NULL;
     switch (type) {

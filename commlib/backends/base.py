@@ -65,7 +65,7 @@ _WATCH_AFTER, _WATCH_EVERY = 0.25, 0.5  # when and how often a long wait calls t
 #: Called as ``watchdog(seconds_waited)`` by long waits (commlib's slow path, ``_diagnostics.watchdog``, sets it):
 #: it may publish where this rank waits and raise ``CommError`` when no call can complete or another rank has
 #: reported a failure.
-watchdog: Callable[[float], None] | None = None
+watchdog: Callable[..., None] | None = None
 
 #: Tags above :attr:`Backend.max_tag` that carry commlib's own point-to-point traffic (TAG_FAIL: a rank's
 #: notice that it gave up on the group, see :meth:`Backend.abort`).

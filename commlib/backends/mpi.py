@@ -254,13 +254,16 @@ class MpiBackend(Backend):
         if call.op is ReduceOp.AVG or (self.composed and call.kind in _COMPOSED) or (call.p2p and call.root < 0):
             return None
         cached = (call, call.kind == "all_gather" and inp is None)
-        ex = self.ops.get(cached) or self.executor(*cached)
-        if self.ops.get(cached) is not ex or ex.state != "idle":  # an asynchronous run still holds it
+        ex: Any = self.ops.get(cached)
+        if ex is None:
+            ex = self.executor(*cached)
+        op: ReadyOp = ex
+        if ex.state != "idle" or self.ops.get(cached) is not ex:  # an asynchronous run still holds it
             return None
         if key is not None and key not in self.ready:
-            self.ready[key] = ex
-            self.keys.setdefault(id(ex), []).append(key)
-        return ex
+            self.ready[key] = op
+            self.keys.setdefault(id(op), []).append(key)
+        return op
 
     def _unlist(self, key: tuple, ex: Any) -> None:
         """``ex`` out of the cache and of the group layer's ready operations."""

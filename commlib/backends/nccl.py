@@ -197,7 +197,7 @@ class NcclBackend(Backend):
         self.bootstrap, self.bootstrap_ranks = bootstrap, bootstrap_ranks or list(range(self.size))
         self.stream = cuda.Stream(non_blocking=True)
         self._ready = cuda.Event(disable_timing=True)  # marks the caller's work, which ours must follow
-        self._reductions: dict[tuple[Any, ReduceOp], tuple[Any, int, int]] = {}  # (dtype, op) -> (view, type, op)
+        self._reductions: dict[tuple[Any, Any], tuple[Any, int, int]] = {}  # (dtype, op) -> (view, type, op)
         self._types = {d: getattr(nccl, n) for d, n in _TYPE_NAMES.items()}
         self._ops = {op: getattr(nccl, n) for op, n in _OP_NAMES.items()}
         self.done = cuda.Event(disable_timing=True)  # recorded after each call (see _EventHandle)
@@ -269,13 +269,13 @@ class NcclBackend(Backend):
             a = a.view(view)
         return a, a.size, self._types[a.dtype]
 
-    def _reduce_args(self, a: Any, op: ReduceOp) -> tuple[Any, int, int, int]:
+    def _reduce_args(self, a: Any, op: Any) -> tuple[Any, int, int, int]:
         if a.dtype == _BOOL:
             op = _BOOL_OPS[op]
         a, count, dtype = self._move(a)
         return a, count, dtype, self._ops[op]
 
-    def _reduction(self, dtype: Any, op: ReduceOp) -> tuple[Any, int, int]:
+    def _reduction(self, dtype: Any, op: Any) -> tuple[Any, int, int]:
         """(the view NCCL reduces ``dtype`` as, or None; NCCL's datatype; NCCL's op), made once per pair."""
         view = _MOVE_VIEW.get(dtype)
         nop = self._ops[_BOOL_OPS[op] if dtype == _BOOL else op]
@@ -309,11 +309,12 @@ class NcclBackend(Backend):
 
     def _reduce_scatter_list(self, call: Call, inputs: list[Any], out: Any) -> Handle:
         """reduce_scatter from a list of arrays, without a staging buffer: one reduce per rank, in one group."""
-        handles = []
+        handles: list[Handle] = []
+        op = call.op
         self.group_start()
         try:
             for p, a in enumerate(inputs):
-                s, count, dt, nop = self._reduce_args(a, call.op)
+                s, count, dt, nop = self._reduce_args(a, op)
                 r = self._move(out)[0] if p == self.rank else s
                 handles.append(self._enqueue(self.comm.reduce, (address(s), address(r), count, dt, nop, p), (s, r)))
         finally:
@@ -403,9 +404,14 @@ class NcclBackend(Backend):
                     their_words, peer=p, theirs=f"the digest of {their_words}", mine=mine_words
                 )
             if rows[p][1] == received[p] and theirs["sent"][me] != ours["received"][p]:
-                sent, got = theirs["last_sent"][me], ours["last_received"][p]
-                their_words = f"messages to this rank (the last: {describe(sent) if sent else 'none'})"
+                last_sent, got = theirs["last_sent"][me], ours["last_received"][p]
+                their_words = f"messages to this rank (the last: {describe(last_sent) if last_sent else 'none'})"
                 mine_words = f"messages like those it received (the last: {describe(got) if got else 'none'})"
+                raise CollectiveMismatchError(their_words, peer=p, theirs=their_words, mine=mine_words)
+            if rows[p][2] == sent[p] and theirs["received"][me] != ours["sent"][p]:  # the sender sees it too
+                got, mine_sent = theirs["last_received"][me], ours["last_sent"][p]
+                their_words = f"receives of other messages (the last: {describe(got) if got else 'none'})"
+                mine_words = f"the messages it sent (the last: {describe(mine_sent) if mine_sent else 'none'})"
                 raise CollectiveMismatchError(their_words, peer=p, theirs=their_words, mine=mine_words)
         return rows
 

@@ -124,11 +124,14 @@ def direct_job(native: bool) -> dict:
             dist.send(buf + 1, dst=0, tag=4)
     kind = _steps.NativeSteps if native else _steps.Steps
     check("executor set up", _native.Steps is not None, native)
-    large = {k: sum(isinstance(op, kind) and op.nbytes >= 2 * K for op in t.values()) for k, t in g.ready.items()}
-    large["sums"] = sum(isinstance(op, kind) and op.nbytes >= 2 * K for op in g.sums.values())
-    # entries by byte count: float32, int64, and float16 and bfloat16 sharing one (the last made)
+    large: dict[str, int] = {}
+    for key, op in g.ready.items():  # the ready table's large entries, by kind (all_reduce's: by bytes alone)
+        if isinstance(op, kind) and op.nbytes >= 2 * K:
+            name = "all_reduce" if type(key) is int else key[0]
+            large[name] = large.get(name, 0) + 1
+    # entries by byte count: float32, int64, and float16 and bfloat16 sharing one (the first made)
     want_tables = {"broadcast": 3 * n, "reduce": 2 * n, "all_gather": 3, "reduce_scatter": 2, "all_to_all": 3}
-    want_tables.update(gather=3 * n, scatter=3 * n, sums=2, all_to_all_v=3)
+    want_tables.update(gather=3 * n, scatter=3 * n, all_reduce=2)
     want_tables.update(dict.fromkeys(("send", "recv"), 1) if me < 2 else {})
     check("large entries", {k: v for k, v in large.items() if v}, want_tables)
     # a timeout on the ready path: fenced, forgotten, the executor never runs again
@@ -136,7 +139,7 @@ def direct_job(native: bool) -> dict:
     if me < 2:
         buf = np.zeros(K, np.float32)
         dist.broadcast(buf, src=1, group=sub)
-        d = sub.ready["broadcast"].get((4 * K, 1))
+        d = sub.ready.get(("broadcast", 4 * K, 1))
         check("executor in the subgroup", type(d).__name__, kind.__name__)
         if me == 0:  # rank 1 makes one call fewer
             try:
