@@ -76,7 +76,8 @@ def main() -> None:
     if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
         from commlib.launch._mpiexec import find_mpiexec
 
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+        # torch's rendezvous: a MASTER_ADDR/MASTER_PORT already set wins (two runs at once, a test's free port)
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", **os.environ, "OMP_NUM_THREADS": "1"}
         code = subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env)
         raise SystemExit(code)
 
