@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce_vs_mpi4py.py            # starts its own 2 ranks under mpiexec
     python benchmarks/allreduce_vs_mpi4py.py --max-bytes 1048576 --repeats 3
+    python benchmarks/allreduce_vs_mpi4py.py --smoke    # CI: 8 B and 1 MiB, one round of 2 calls (seconds)
 
 All three reduce the same float32 buffer in place (torch sees it through
 torch.from_numpy). For each size every method runs ``repeats`` rounds of
@@ -30,16 +31,36 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=21, help="rounds per method and size (median reported)")
     p.add_argument("--no-torch", action="store_true", help="skip torch.distributed (gloo)")
     p.add_argument("--json", help="also write the rows to this file")
-    return p.parse_args()
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI's check that the script still runs: 8 B and 1 MiB only, one round of 2 calls per method, "
+        "2 warm-up calls (replaces --min-bytes, --max-bytes and --repeats); the times mean nothing",
+    )
+    args = p.parse_args()
+    if args.smoke:
+        args.min_bytes, args.max_bytes, args.repeats = 8, 1 << 20, 1
+    return args
 
 
-def _iters(nbytes: int) -> int:
-    """Calls per round: about 5 ms of work at 2 GB/s, at least 2, at most 1000.
+def _sizes(args: argparse.Namespace) -> list[int]:
+    """The sizes of the table: doubling from --min-bytes to --max-bytes (--smoke: the two ends only)."""
+    if args.smoke:
+        return [args.min_bytes, args.max_bytes]
+    sizes, nbytes = [], args.min_bytes
+    while nbytes <= args.max_bytes:
+        sizes.append(nbytes)
+        nbytes *= 2
+    return sizes
+
+
+def _iters(nbytes: int, smoke: bool) -> int:
+    """Calls per round: about 5 ms of work at 2 GB/s, at least 1, at most 1000 (--smoke: 2).
 
     Short rounds, many of them, in rotating order: on a shared machine noise comes
     in bursts, and the median of many short interleaved rounds shrugs them off.
     """
-    return max(1, min(1000, int(0.005 * 2e9 / max(nbytes, 64))))
+    return 2 if smoke else max(1, min(1000, int(0.005 * 2e9 / max(nbytes, 64))))
 
 
 def _round(fn, iters: int, barrier) -> float:
@@ -55,7 +76,8 @@ def main() -> None:
     if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
         from commlib.launch._mpiexec import find_mpiexec
 
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+        # torch's rendezvous: a MASTER_ADDR/MASTER_PORT already set wins (two runs at once, a test's free port)
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", **os.environ, "OMP_NUM_THREADS": "1"}
         code = subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env)
         raise SystemExit(code)
 
@@ -79,10 +101,9 @@ def main() -> None:
         os.environ.setdefault("MASTER_PORT", "29533")
         tdist.init_process_group("gloo")
         torch.set_num_threads(1)
-    _warm_up(comm, dist, tdist if use_torch else None, torch if use_torch else None)
+    _warm_up(comm, dist, tdist if use_torch else None, torch if use_torch else None, 2 if args.smoke else 2000)
     rows = []
-    nbytes = args.min_bytes
-    while nbytes <= args.max_bytes:
+    for nbytes in _sizes(args):
         x = buf[: nbytes // 4]
         methods = {
             "mpi4py": lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
@@ -91,7 +112,7 @@ def main() -> None:
         if use_torch:
             t = torch.from_numpy(x)
             methods["gloo"] = lambda t=t: tdist.all_reduce(t)
-        iters = _iters(nbytes)
+        iters = _iters(nbytes, args.smoke)
         times = {name: [] for name in methods}
         for fn in methods.values():  # warm-up
             _round(fn, max(1, iters // 10), comm.Barrier)
@@ -107,7 +128,6 @@ def main() -> None:
         rows.append(row)
         if rank == 0:
             _print_row(row, first=len(rows) == 1)
-        nbytes *= 2
     if rank == 0:
         _summary(rows)
         if args.json:
@@ -118,17 +138,17 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _warm_up(comm, dist, tdist, torch) -> None:
-    """First calls pay for connection setup and page faults: keep them out of the first row."""
+def _warm_up(comm, dist, tdist, torch, calls: int) -> None:
+    """First calls pay for connection setup and page faults: keep them out of the first row (gloo: calls / 10)."""
     import numpy as np
 
     x = np.zeros(1024, np.float32)
-    for _ in range(2000):
+    for _ in range(calls):
         comm.Allreduce(MPI_IN_PLACE(), x)
         dist.all_reduce(x)
     if tdist is not None:
         t = torch.from_numpy(x)
-        for _ in range(200):
+        for _ in range(max(1, calls // 10)):
             tdist.all_reduce(t)
     comm.Barrier()
 

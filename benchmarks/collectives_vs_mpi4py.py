@@ -2,6 +2,7 @@
 
     python benchmarks/collectives_vs_mpi4py.py                    # 8 B, 1 MiB, 16 MiB; every collective
     python benchmarks/collectives_vs_mpi4py.py --sizes 8 1M --collectives broadcast all_to_all_uneven
+    python benchmarks/collectives_vs_mpi4py.py --smoke            # CI: 8 B and 1 MiB, one round of 2 calls
 
 Pairs (commlib call / raw mpi4py call, float32 buffers, in place where commlib is):
 
@@ -69,12 +70,21 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
     p.add_argument("--repeats", type=int, default=21, help="rounds per method and size (median reported)")
     p.add_argument("--json", help="also write the rows to this file")
-    return p.parse_args()
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI's check that the script still runs: 8 B and 1 MiB, one round of 2 calls per method after 2 "
+        "warm-up calls (replaces --sizes and --repeats); the times mean nothing",
+    )
+    args = p.parse_args()
+    if args.smoke:
+        args.sizes, args.repeats = [8, 1 << 20], 1
+    return args
 
 
-def _iters(nbytes: int) -> int:
-    """Calls per round: about 5 ms at 2 GB/s, at least 1, at most 1000."""
-    return max(1, min(1000, int(0.005 * 2e9 / max(nbytes, 64))))
+def _iters(nbytes: int, smoke: bool) -> int:
+    """Calls per round: about 5 ms at 2 GB/s, at least 1, at most 1000 (--smoke: 2)."""
+    return 2 if smoke else max(1, min(1000, int(0.005 * 2e9 / max(nbytes, 64))))
 
 
 def _pair(name: str, nbytes: int, comm: Any, MPI: Any, dist: Any, np: Any) -> tuple[Callable, Callable]:
@@ -167,13 +177,13 @@ def _round(fn: Callable, iters: int, comm: Any) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def _measure(name: str, nbytes: int, repeats: int, comm: Any, MPI: Any, dist: Any, np: Any) -> dict:
+def _measure(name: str, nbytes: int, args: argparse.Namespace, comm: Any, MPI: Any, dist: Any, np: Any) -> dict:
     ours, theirs = _pair(name, nbytes, comm, MPI, dist, np)
-    iters = _iters(nbytes)
+    iters = _iters(nbytes, args.smoke)
     for fn in (ours, theirs):  # warm up: first calls pay for connections, page faults, persistent setup
         _round(fn, max(2, iters // 5), comm)
     times: dict[str, list[float]] = {"commlib": [], "mpi4py": []}
-    rounds = repeats if iters > 1 else 2 * repeats
+    rounds = args.repeats if iters > 1 else 2 * args.repeats
     for r in range(rounds):
         order = [("commlib", ours), ("mpi4py", theirs)]
         for label, fn in order[r % 2 :] + order[: r % 2]:
@@ -202,7 +212,7 @@ def main() -> None:
         print(f"{'collective':>20} {'bytes':>10} {'mpi4py':>10} {'commlib':>10} {'ratio':>8}")
     for name in args.collectives:
         for nbytes in sorted(args.sizes)[:1] if name == "barrier" else args.sizes:  # a barrier has no size
-            row = _measure(name, nbytes, args.repeats, comm, MPI, dist, np)
+            row = _measure(name, nbytes, args, comm, MPI, dist, np)
             rows.append(row)
             if comm.Get_rank() == 0:
                 ratio = row["commlib_us"] / row["mpi4py_us"]

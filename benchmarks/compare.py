@@ -3,6 +3,7 @@
     python benchmarks/compare.py                       # 8 B .. 128 MiB, 4 collectives, 1 to 2 minutes
     python benchmarks/compare.py --max-bytes 1M --repeats 3 --collectives all_reduce
     python benchmarks/compare.py --no-torch --no-emulator --png ''
+    python benchmarks/compare.py --smoke --png ''       # CI: 8 B and 1 MiB, one round of one call (seconds)
 
 For all_reduce, all_gather, reduce_scatter, broadcast and all_to_all (equal and
 uneven splits), each size is run by every method on the same float32 buffers
@@ -65,10 +66,22 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--child", choices=("host", "emulator"), help=argparse.SUPPRESS)  # one rank of a job
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--progress", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args()
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI's check that the script still runs: 8 B and 1 MiB only, 2 warm-up calls, one round of one call "
+        "per method and size (replaces --min-bytes, --max-bytes and --repeats); the times mean nothing",
+    )
+    args = p.parse_args()
+    if args.smoke:
+        args.min_bytes, args.max_bytes, args.repeats = 8, 1 << 20, 1
+    return args
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
+    """Doubling from --min-bytes to --max-bytes (--smoke: the two ends only)."""
+    if args.smoke:
+        return [args.min_bytes, args.max_bytes]
     sizes, s = [], args.min_bytes
     while s <= args.max_bytes:
         sizes.append(s)
@@ -159,8 +172,8 @@ def _usable(fn: Callable[[], Any], comm: Any) -> bool:
     return all(comm.allgather(ok))
 
 
-def _calibrate(fn: Callable[[], Any], comm: Any, MPI: Any) -> int:
-    """Calls per round: about ROUND_SECONDS of work (1 to 1000 calls), from batches of growing size.
+def _calibrate(fn: Callable[[], Any], comm: Any, MPI: Any, round_seconds: float) -> int:
+    """Calls per round: about ``round_seconds`` of work (1 to 1000 calls), from batches of growing size.
 
     A single call is a poor yardstick (a rank descheduled once makes it look slow), so
     calls are timed in batches of 1, 4, 16, ... until a batch takes a quarter round. The
@@ -169,29 +182,30 @@ def _calibrate(fn: Callable[[], Any], comm: Any, MPI: Any) -> int:
     n = 1
     while True:
         seconds = _per_call(fn, n, comm, MPI) * n
-        if seconds >= ROUND_SECONDS / 4 or n >= 1000:
-            return max(1, min(1000, round(ROUND_SECONDS * n / seconds)))
+        if seconds >= round_seconds / 4 or n >= 1000:
+            return max(1, min(1000, round(round_seconds * n / max(seconds, 1e-9))))
         n *= 4
 
 
-def _measure(calls: dict, repeats: int, comm: Any, MPI: Any) -> dict[str, float | None]:
+def _measure(calls: dict, args: argparse.Namespace, comm: Any, MPI: Any) -> dict[str, float | None]:
     """Median per-call microseconds of each method; the methods take turns round by round."""
     usable = {m: fn for m, fn in calls.items() if fn is not None and _usable(fn, comm)}
-    iters = {m: _calibrate(fn, comm, MPI) for m, fn in usable.items()}
+    round_seconds = 0.0 if args.smoke else ROUND_SECONDS  # 0: one batch of one call, then rounds of one call
+    iters = {m: _calibrate(fn, comm, MPI, round_seconds) for m, fn in usable.items()}
     times: dict[str, list[float]] = {m: [] for m in usable}
     order = list(usable)
-    for r in range(repeats):
+    for r in range(args.repeats):
         for m in order[r % len(order) :] + order[: r % len(order)]:
             times[m].append(_per_call(usable[m], iters[m], comm, MPI))
     return {m: statistics.median(times[m]) * 1e6 if m in times else None for m in calls}
 
 
-def _warm_up(name: str, comm: Any, MPI: Any, dist: Any, tdist: Any, torch: Any, np: Any, kind: str) -> None:
-    """Connection setup and first-call costs, kept out of the first rows: 200 calls of each method."""
+def _warm_up(name: str, comm: Any, MPI: Any, dist: Any, tdist: Any, torch: Any, np: Any, kind: str, calls: int) -> None:
+    """Connection setup and first-call costs, kept out of the first rows: ``calls`` calls of each method."""
     inp, out = _buffers(name, 4096, np)
     for fn in _calls(name, inp, out, comm if kind == "host" else None, MPI, dist, tdist, torch).values():
         if _usable(fn, comm):
-            _per_call(fn, 200, comm, MPI)
+            _per_call(fn, calls, comm, MPI)
 
 
 def _gloo(comm: Any) -> tuple[Any, Any]:
@@ -221,13 +235,13 @@ def child(args: argparse.Namespace) -> None:
     tdist, torch = _gloo(comm) if args.child == "host" and not args.no_torch else (None, None)
     cells = []
     for name in args.collectives:
-        _warm_up(name, comm, MPI, dist, tdist, torch, np, args.child)
+        _warm_up(name, comm, MPI, dist, tdist, torch, np, args.child, 2 if args.smoke else 200)
         for nbytes in _sizes(args):
             inp, out = _buffers(name, nbytes, np)
             calls = _calls(name, inp, out, comm if args.child == "host" else None, MPI, dist, tdist, torch)
             if args.child == "emulator":
                 calls = {"nccl-emu": calls["commlib"]}
-            for method, us in _measure(calls, args.repeats, comm, MPI).items():
+            for method, us in _measure(calls, args, comm, MPI).items():
                 cells.append({"collective": name, "bytes": nbytes, "method": method, "us": us})
             if args.progress and comm.Get_rank() == 0:
                 print(f"\r{args.child}: {name} {nbytes} B\x1b[K", end="", file=sys.stderr, flush=True)

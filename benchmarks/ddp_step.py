@@ -2,6 +2,7 @@
 
     python benchmarks/ddp_step.py                 # starts its own 2 ranks under mpiexec
     python benchmarks/ddp_step.py --batch 64 --repeats 7 --gradient-as-bucket-view
+    python benchmarks/ddp_step.py --smoke         # CI: a tiny MLP, one round of one step (seconds)
 
 Every rank trains three copies of the same MLP (1024 -> 4096 -> 4096 -> 1024, 25.2M float32
 parameters, 96 MiB of gradients) on the same per-rank batch: wrapped in ``ddp.DistributedDataParallel``
@@ -30,6 +31,7 @@ from typing import Any
 
 TARGET = "target: commlib DDP / torch DDP <= 0.8"
 SIZES = (1024, 4096, 4096, 1024)
+SMOKE_SIZES = (16, 32, 32, 16)  # --smoke: the same layers, 2,128 parameters
 
 
 def _parse() -> argparse.Namespace:
@@ -39,16 +41,26 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=15, help="rounds per method (median reported)")
     p.add_argument("--gradient-as-bucket-view", action="store_true", help="for both DDPs")
     p.add_argument("--json", help="also write the results to this file")
-    return p.parse_args()
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"CI's check that the script still runs: MLP {'-'.join(map(str, SMOKE_SIZES))}, --batch 2 --steps 1 "
+        "--repeats 1, a breakdown of one step; the times mean nothing",
+    )
+    args = p.parse_args()
+    if args.smoke:
+        args.batch, args.steps, args.repeats = 2, 1, 1
+    args.sizes = SMOKE_SIZES if args.smoke else SIZES
+    return args
 
 
-def _mlp(torch: Any) -> Any:
+def _mlp(torch: Any, sizes: tuple[int, ...] = SIZES) -> Any:
     """The benchmark's model (``torch`` is passed in: it is imported only inside the ranks)."""
     torch.manual_seed(0)
     layers = []
-    for i, (a, b) in enumerate(itertools.pairwise(SIZES)):
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
         layers.append(torch.nn.Linear(a, b))
-        if i < len(SIZES) - 2:
+        if i < len(sizes) - 2:
             layers.append(torch.nn.ReLU())
     return torch.nn.Sequential(*layers)
 
@@ -73,7 +85,8 @@ def main() -> None:
     if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
         from commlib.launch._mpiexec import find_mpiexec
 
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"}
+        # torch's rendezvous: a MASTER_ADDR/MASTER_PORT already set wins (two runs at once, a test's free port)
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541", **os.environ, "OMP_NUM_THREADS": "1"}
         raise SystemExit(subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env))
 
     import torch
@@ -90,10 +103,12 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29541")
     tdist.init_process_group("gloo", init_method="env://")
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(args.batch, SIZES[0], generator=g), torch.randn(args.batch, SIZES[-1], generator=g)
+    sizes = args.sizes
+    x, y = torch.randn(args.batch, sizes[0], generator=g), torch.randn(args.batch, sizes[-1], generator=g)
     view = args.gradient_as_bucket_view
-    single = _stepper(torch, _mlp(torch), x, y)
-    grads = torch.zeros(sum(p.numel() for p in _mlp(torch).parameters()))
+    single = _stepper(torch, _mlp(torch, sizes), x, y)
+    params = sum(p.numel() for p in _mlp(torch, sizes).parameters())
+    grads = torch.zeros(params)
 
     def bound() -> None:
         """The 2-core bound: a step without communication, then all-reduce every gradient once, not overlapped."""
@@ -103,15 +118,17 @@ def main() -> None:
     methods = {
         "single process": single,
         "single + all_reduce": bound,
-        "commlib DDP": _stepper(torch, ddp.DistributedDataParallel(_mlp(torch), gradient_as_bucket_view=view), x, y),
+        "commlib DDP": _stepper(
+            torch, ddp.DistributedDataParallel(_mlp(torch, sizes), gradient_as_bucket_view=view), x, y
+        ),
         "torch DDP (gloo)": _stepper(
-            torch, torch.nn.parallel.DistributedDataParallel(_mlp(torch), gradient_as_bucket_view=view), x, y
+            torch, torch.nn.parallel.DistributedDataParallel(_mlp(torch, sizes), gradient_as_bucket_view=view), x, y
         ),
     }
     times = _measure(methods, args, commlib)
-    parts = _breakdown(torch, ddp, commlib, x, y, view)
+    parts = _breakdown(torch, ddp, commlib, x, y, view, sizes, steps=1 if args.smoke else 6)
     if rank == 0:
-        _report(times, args, sum(p.numel() for p in _mlp(torch).parameters()))
+        _report(times, args, params)
         print(parts)
     tdist.destroy_process_group()
     commlib.destroy_process_group()
@@ -138,7 +155,7 @@ def _measure(methods: dict, args: argparse.Namespace, commlib: Any) -> dict[str,
     return times
 
 
-def _breakdown(torch: Any, ddp: Any, commlib: Any, x: Any, y: Any, view: bool, steps: int = 6) -> str:
+def _breakdown(torch: Any, ddp: Any, commlib: Any, x: Any, y: Any, view: bool, sizes: tuple, steps: int) -> str:
     """Where commlib DDP's step goes (this rank, mean over ``steps``), from timers and the DDP's trace."""
     import tempfile
 
@@ -146,7 +163,7 @@ def _breakdown(torch: Any, ddp: Any, commlib: Any, x: Any, y: Any, view: bool, s
 
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.json")
-        model = ddp.DistributedDataParallel(_mlp(torch), gradient_as_bucket_view=view, trace=trace)
+        model = ddp.DistributedDataParallel(_mlp(torch, sizes), gradient_as_bucket_view=view, trace=trace)
         tracer = model._tracer  # its file: trace.rank<r>.json
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         timed = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -187,7 +204,8 @@ def _breakdown(torch: Any, ddp: Any, commlib: Any, x: Any, y: Any, view: bool, s
 def _report(times: dict[str, list[float]], args: argparse.Namespace, params: int) -> None:
     median = {name: statistics.median(v) for name, v in times.items()}
     base, torch_ddp = median["single process"], median["torch DDP (gloo)"]
-    print(f"# DDP training step, 2 ranks, MLP {' -> '.join(map(str, SIZES))} ({params / 1e6:.1f}M float32 parameters)")
+    count = f"{params / 1e6:.1f}M" if params >= 100_000 else f"{params:,}"
+    print(f"# DDP training step, 2 ranks, MLP {' -> '.join(map(str, args.sizes))} ({count} float32 parameters)")
     print(f"# batch {args.batch} per rank, {args.repeats} rounds of {args.steps} steps, median per-step time")
     print(f"# of the slower rank; gradient_as_bucket_view={args.gradient_as_bucket_view}")
     print(f"{'method':<18} {'ms/step':>9} {'min':>9} {'vs single':>10} {'vs torch DDP':>13}")

@@ -2,6 +2,7 @@
 
     python benchmarks/nccl_overhead.py                  # this checkout
     python benchmarks/nccl_overhead.py --at 696fd95     # this checkout against an older commit, same run
+    python benchmarks/nccl_overhead.py --smoke          # CI: 100 calls per path, then --at HEAD, one run each
 
 The nccl backend runs against a null NCCL module (every call returns at once)
 and a null CUDA runtime (events complete at once), so what is timed is commlib's
@@ -15,6 +16,10 @@ all_reduce. Single process; not a test.
 measurement (this file, which uses only what every version of the backend has)
 against that checkout and this one in alternating subprocesses, then prints both
 medians and their ratio: a figure comparable across commits on one machine.
+
+``--smoke`` is CI's check that the script still runs: one round of 100 calls per path,
+then the ``--at`` machinery (worktree, subprocesses, their JSON, the ratio line) against
+HEAD, or against REV with ``--at REV``, with one such run per checkout. Its times mean nothing.
 """
 
 from __future__ import annotations
@@ -129,7 +134,7 @@ def measure(rounds: int = 15, calls: int = 20000) -> dict[str, float]:
     return out
 
 
-def _at(rev: str, repeats: int) -> None:
+def _at(rev: str, repeats: int, smoke: bool = False) -> None:
     """Run :func:`measure` on this checkout and on ``rev`` in alternating subprocesses; print medians and ratios."""
     here = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="commlib-at-") as tmp:
@@ -141,8 +146,10 @@ def _at(rev: str, repeats: int) -> None:
             for _ in range(repeats):
                 for label, tree in (("this checkout", here), (rev, old)):
                     env = {**os.environ, "PYTHONPATH": str(tree)}
-                    proc = subprocess.run([sys.executable, __file__, "--measure"], env=env, cwd=tree,
-                                          capture_output=True, text=True, check=True)  # fmt: skip
+                    argv = [sys.executable, __file__, "--measure", *(["--smoke"] if smoke else [])]
+                    proc = subprocess.run(argv, env=env, cwd=tree, capture_output=True, text=True)
+                    if proc.returncode:  # say why: check=True would show only the command
+                        raise SystemExit(f"the measurement of {label} ({tree}) failed:\n{proc.stderr}")
                     results[label].append(json.loads(proc.stdout.strip().splitlines()[-1]))
         finally:
             subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(old)], capture_output=True)
@@ -158,14 +165,23 @@ def main() -> None:
     p.add_argument("--at", metavar="REV", help="also measure commit REV (a git worktree), alternating runs")
     p.add_argument("--repeats", type=int, default=5, help="with --at: runs per checkout")
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one run, JSON out (for --at)
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI's check that the script still runs: one round of 100 calls per path, then --at HEAD (or --at REV) "
+        "with one run per checkout; the times mean nothing",
+    )
     args = p.parse_args()
+    small = {"rounds": 1, "calls": 100} if args.smoke else {}
     if args.measure:
-        print(json.dumps(measure(rounds=9)))
-    elif args.at:
+        print(json.dumps(measure(**(small or {"rounds": 9}))))
+    elif args.at and not args.smoke:
         _at(args.at, args.repeats)
     else:
-        for path, us in measure().items():
+        for path, us in measure(**small).items():
             print(f"nccl backend host overhead per all_reduce, {path} path: median {us:.2f} us (target <= 5 us)")
+        if args.smoke:
+            _at(args.at or "HEAD", 1, smoke=True)
     sys.exit(0)
 
 

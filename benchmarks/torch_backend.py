@@ -2,6 +2,7 @@
 
     python benchmarks/torch_backend.py                 # starts its own 2 ranks under mpiexec
     python benchmarks/torch_backend.py --rounds 15 --ddp-repeats 9
+    python benchmarks/torch_backend.py --smoke         # CI: 8 B and 1 MiB, a tiny MLP, one round (seconds)
 
 Part 1: ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` through torch's API
 at 8 B, 1 MiB and 16 MiB, on the default group (commlib) and on a gloo group of the same ranks;
@@ -14,17 +15,21 @@ under torch's ``DistributedDataParallel`` on commlib and on gloo, and under comm
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+import ddp_step  # the same model, data and step as benchmarks/ddp_step.py (this script's folder is on sys.path)
 
 SIZES = {"8 B": 8, "1 MiB": 1 << 20, "16 MiB": 16 << 20}
 CALLS = {"8 B": 200, "1 MiB": 20, "16 MiB": 4}  # calls per timed round
+SMOKE_SIZES = {"8 B": 8, "1 MiB": 1 << 20}
+SMOKE_CALLS = {"8 B": 2, "1 MiB": 2}
 TARGETS = "targets: all_reduce commlib/gloo <= 0.2x at 8 B, <= 0.7x at 16 MiB; torch DDP step commlib/gloo <= 0.9x"
 
 
@@ -35,7 +40,17 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--ddp-steps", type=int, default=2, help="steps per DDP round")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per DDP step")
     p.add_argument("--skip-ddp", action="store_true", help="collectives only")
-    return p.parse_args()
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI's check that the script still runs: 8 B and 1 MiB, one round of 2 calls after one warm-up call; "
+        "ddp_step.py's --smoke MLP, --batch 2, one round of one step; the times mean nothing",
+    )
+    args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.ddp_repeats, args.ddp_steps, args.batch = 1, 1, 1, 2
+    args.sizes = ddp_step.SMOKE_SIZES if args.smoke else ddp_step.SIZES
+    return args
 
 
 def _slowest(commlib: Any, seconds: float) -> float:
@@ -63,43 +78,43 @@ def _collective(dist: Any, torch: Any, op: str, nbytes: int, group: Any) -> Call
 def _collectives(args: argparse.Namespace, dist: Any, torch: Any, commlib: Any, gloo: Any) -> dict:
     """(op, size) -> {backend: median microseconds per call}."""
     out: dict = {}
+    sizes, per_round = (SMOKE_SIZES, SMOKE_CALLS) if args.smoke else (SIZES, CALLS)
     for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-        for label, nbytes in SIZES.items():
+        for label, nbytes in sizes.items():
             calls = {
                 "commlib": _collective(dist, torch, op, nbytes, None),
                 "gloo": _collective(dist, torch, op, nbytes, gloo),
             }
             times: dict[str, list[float]] = {name: [] for name in calls}
             for fn in calls.values():  # warm-up
-                for _ in range(3):
+                for _ in range(1 if args.smoke else 3):
                     fn()
             names = list(calls)
             for r in range(args.rounds):
                 for name in names[r % 2 :] + names[: r % 2]:
                     commlib.barrier()
                     start = time.perf_counter()
-                    for _ in range(CALLS[label]):
+                    for _ in range(per_round[label]):
                         calls[name]()
-                    times[name].append(_slowest(commlib, (time.perf_counter() - start) / CALLS[label]) * 1e6)
+                    times[name].append(_slowest(commlib, (time.perf_counter() - start) / per_round[label]) * 1e6)
             out[op, label] = {name: statistics.median(v) for name, v in times.items()}
     return out
 
 
 def _ddp(args: argparse.Namespace, dist: Any, torch: Any, commlib: Any, gloo: Any) -> dict:
     """method -> median ms per step, methods in rotating order."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import ddp_step  # the same model, data and step as benchmarks/ddp_step.py
-
     import ddp
 
+    sizes = args.sizes
     g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(args.batch, ddp_step.SIZES[0], generator=g)
-    y = torch.randn(args.batch, ddp_step.SIZES[-1], generator=g)
+    x = torch.randn(args.batch, sizes[0], generator=g)
+    y = torch.randn(args.batch, sizes[-1], generator=g)
     tddp = torch.nn.parallel.DistributedDataParallel
+    mlp, stepper = ddp_step._mlp, ddp_step._stepper
     methods = {
-        "torch DDP (commlib)": ddp_step._stepper(torch, tddp(ddp_step._mlp(torch)), x, y),
-        "torch DDP (gloo)": ddp_step._stepper(torch, tddp(ddp_step._mlp(torch), process_group=gloo), x, y),
-        "commlib ddp": ddp_step._stepper(torch, ddp.DistributedDataParallel(ddp_step._mlp(torch)), x, y),
+        "torch DDP (commlib)": stepper(torch, tddp(mlp(torch, sizes)), x, y),
+        "torch DDP (gloo)": stepper(torch, tddp(mlp(torch, sizes), process_group=gloo), x, y),
+        "commlib ddp": stepper(torch, ddp.DistributedDataParallel(mlp(torch, sizes)), x, y),
     }
     for step in methods.values():
         for _ in range(2):
@@ -123,7 +138,10 @@ def _report(colls: dict, steps: dict | None, args: argparse.Namespace) -> None:
         ratio = t["commlib"] / t["gloo"]
         print(f"{op:<24} {label:>7} {t['commlib']:>10.1f} {t['gloo']:>10.1f} {ratio:>12.3f}x")
     if steps:
-        print(f"\n# DDP step, MLP 1024-4096-4096-1024 (25.2M params), batch {args.batch}/rank, ms/step (median)")
+        params = sum(a * b + b for a, b in itertools.pairwise(args.sizes))
+        count = f"{params / 1e6:.1f}M" if params >= 100_000 else f"{params:,}"
+        mlp = "-".join(map(str, args.sizes))
+        print(f"\n# DDP step, MLP {mlp} ({count} params), batch {args.batch}/rank, ms/step (median)")
         base = steps["torch DDP (gloo)"]
         for name, ms in steps.items():
             print(f"{name:<22} {ms:>9.1f} {ms / base:>9.3f}x of torch DDP (gloo)")
@@ -136,7 +154,8 @@ def main() -> None:
     if "PMI_RANK" not in os.environ:  # not started by mpiexec: start 2 ranks of ourselves
         from commlib.launch._mpiexec import find_mpiexec
 
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29543"}
+        # torch's rendezvous: a MASTER_ADDR/MASTER_PORT already set wins (two runs at once, a test's free port)
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29543", **os.environ, "OMP_NUM_THREADS": "1"}
         raise SystemExit(subprocess.call([find_mpiexec(), "-n", "2", sys.executable, *sys.argv], env=env))
     os.environ.update(RANK=os.environ["PMI_RANK"], WORLD_SIZE=os.environ["PMI_SIZE"])
     import torch
