@@ -153,7 +153,10 @@ def all_reduce(
         g, _ = resolve(group, "all_reduce")
     a, back = tensor, None
     if type(a) is not np.ndarray or not g.host or not (a.flags.carray and a.dtype in DTYPES):
-        a, back = in_place(g, tensor, "all_reduce")
+        try:  # in_place(), inlined for the device path's sake (a cupy array or a torch CUDA tensor)
+            a = g.buffer(tensor, g, "all_reduce", "tensor")
+        except ValueError:
+            a, back = in_place(g, tensor, "all_reduce")
     # SUM is defined for every dtype on mpi: skip the op check on the hot path there
     if op is not _SUM or g.limits is not None:
         op = _op(op, a.dtype, g, "all_reduce")

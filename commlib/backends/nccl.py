@@ -114,9 +114,6 @@ class _EventHandle:
         self.recorded = False  # the backend's event covers this work (False while its NCCL group is open)
         self.event: Any = None
 
-    def _event(self) -> Any:
-        return self.event if self.event is not None else self.backend.done
-
     def detach(self) -> None:
         """An asynchronous call: an event of its own, recorded now (right after its work)."""
         if self.recorded and self.event is None:
@@ -124,7 +121,7 @@ class _EventHandle:
             self.event.record(self.backend.stream)
 
     def test(self) -> bool:
-        if self.recorded and self._event().done:
+        if self.recorded and (self.event if self.event is not None else self.backend.done).done:
             self.backend.raise_async_error()  # work that ended because the communicator failed did not complete
             self.keep = ()
             return True
@@ -138,7 +135,8 @@ class _EventHandle:
         """Make the caller's current stream wait for this work, without blocking the host."""
         if not self.recorded:  # still inside an open NCCL group: nothing recorded to wait on yet
             return False
-        (self.caller or self.backend.caller_stream(self.keep)).wait_event(self._event())
+        event = self.event if self.event is not None else self.backend.done
+        (self.caller or self.backend.caller_stream(self.keep)).wait_event(event)
         return True
 
 
