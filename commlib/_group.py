@@ -342,12 +342,17 @@ class ProcessGroup:
         if self.pending:
             self.drain(None, timeout)
         call = "close (the group's closing check)"
+        # published as the call after the last one: a peer still in that call is not in another call, and a peer's
+        # slow path sees this rank's digests (where they differ, both end at once, not at the timeout)
+        before = _waits.enter(_Waiting(self, call, None, self.seq + 1))
         try:
             rows = self.backend.close_check(self.seq, self.sent, self.received, timeout)
         except CommTimeoutError:
             self.fail_timeout(call, self.seq, timeout)
         except CommError as e:
             self.fail(call, self.seq, -1, e)
+        finally:
+            _waits.leave(before)
         problems = verdicts.closing(self.rank, self.ranks, self.seq, rows, self.received, self.any_received)
         if problems:
             err = CollectiveMismatchError(

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 from typing import Any
 
 import numpy as np
 
+from commlib import setting
+
 __all__ = ["empty", "held_bytes"]
 
 MIN_BYTES = 1 << 20
-_LIMIT = int(float(os.environ.get("GLOBALVIEW_POOL_MB", "1024")) * (1 << 20))
+_LIMIT = int(setting("GLOBALVIEW_POOL_MB") * (1 << 20))
 _free: dict[int, list[mmap.mmap]] = {}
 _lock = threading.Lock()
 _held = [0]

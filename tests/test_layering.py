@@ -48,7 +48,7 @@ ALLOWED = {
     "store": {"_timeouts", "errors", "_sockets"},
     "_diagnostics": {"arrays", "errors", "store", "backends", "_settings"},
     "launch": {"store", "_diagnostics", "backends", "_settings"},
-    "testing": {"launch"},
+    "testing": {"launch", "_settings"},
     **{
         name: {
             "_ops",

@@ -162,6 +162,7 @@ def _named(kind: str, message: str) -> bool:
     return call in message or (kind == "send_recv" and "send" in message) or "closing check" in message
 
 
+@pytest.mark.timeout(1500)  # the job's own deadline (4 ranks of the emulator on 2 loaded cores: minutes)
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("n", [2, 4])
 def test_every_mismatched_program_ends_in_an_error_naming_the_call(n: int, backend: str) -> None:

@@ -336,7 +336,6 @@ class _Group:
 
 def test_flight_ring_states_and_wraparound() -> None:
     from commlib._diagnostics.flight import Ring
-
     from commlib.backends._call import Call
 
     ring, g = Ring(4), _Group("world")

@@ -450,10 +450,11 @@ class Backend(abc.ABC):
         digest = hashlib.blake2b(f"{what} {ranks}".encode(), digest_size=16).digest()
         leader, tag, xp = ranks[0], self.max_tag + TAG_MEET, self.xp
         if self.rank != leader:
-            self._message(xp.asarray(np.frombuffer(digest, np.uint8)), leader, False, tag)
+            arrived = self._message(xp.asarray(np.frombuffer(digest, np.uint8)), leader, False, tag)
             answer = xp.zeros(256, np.uint8)
             if not self._message(answer, leader, True, tag).wait(timeout):
                 raise MeetingTimeout(f"rank {leader} did not answer within {timeout:g} s ({what} of ranks {ranks})")
+            arrived.wait(timeout)  # received, since it was answered: completed, its request freed (no MPI leak)
             return _unframe(to_host(answer))
         arrivals = {p: (self._message(buf := xp.zeros(16, np.uint8), p, True, tag), buf) for p in ranks[1:]}
         start = time.monotonic()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from commlib._settings import current
 from commlib.launch._mpiexec import (
     die_with_parent,
     kill_group_or_process,
@@ -111,7 +112,7 @@ def run(
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` MPI ranks; return the values by rank."""
-    if os.environ.get(WORKER_ENV) == "loading":
+    if current("COMMLIB_TESTING_WORKER") == "loading":
         raise RuntimeError(
             "commlib.testing.run: called while a worker was importing the module of the function under test, "
             "which would start workers without end; put the script's top-level calls under "
