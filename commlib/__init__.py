@@ -20,6 +20,7 @@ from commlib._group import ProcessGroup, Work
 from commlib._objects import *  # noqa: F403
 from commlib._ops import ReduceOp
 from commlib._p2p import *  # noqa: F403
+from commlib._recovery import grow_group, shrink_group
 from commlib._world import (
     GroupMember,
     destroy_process_group,
@@ -46,6 +47,7 @@ from commlib.errors import (
     DistBackendError,
     DistError,
     GroupBrokenError,
+    RankFailedError,
 )
 from commlib.store import FileStore, PrefixStore, Store, TCPStore
 from commlib.store._hash import HashStore
@@ -73,6 +75,7 @@ __all__ = [  # the calls (each module's public names), then the rest
     "HashStore",
     "PrefixStore",
     "ProcessGroup",
+    "RankFailedError",
     "ReduceOp",
     "Store",
     "TCPStore",
@@ -88,6 +91,7 @@ __all__ = [  # the calls (each module's public names), then the rest
     "get_rank",
     "get_world_size",
     "group",
+    "grow_group",
     "init_process_group",
     "is_available",
     "is_backend_available",
@@ -100,6 +104,7 @@ __all__ = [  # the calls (each module's public names), then the rest
     "new_subgroups",
     "new_subgroups_by_enumeration",
     "setting",
+    "shrink_group",
 ]
 
 

@@ -30,7 +30,14 @@ from commlib._timeouts import as_seconds
 from commlib.arrays import host_array
 from commlib.backends._call import Call
 from commlib.backends.base import Backend, Chained, Handle, ReadyOp
-from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError, GroupBrokenError, TransportError
+from commlib.errors import (
+    CollectiveMismatchError,
+    CommError,
+    CommTimeoutError,
+    GroupBrokenError,
+    RankFailedError,
+    TransportError,
+)
 
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
 
@@ -442,8 +449,27 @@ class ProcessGroup:
             if self.backend is not None:
                 self.backend.abort(f"{type(err).__name__}: {err}")
 
+    def mark_failed(self, err: RankFailedError) -> None:
+        """A member died (``err``, from the lifelines' thread): fence the group off without telling anyone (the
+        survivors know; the dead cannot hear), unblocking device work stuck on the dead (see ``Backend.abandon``)."""
+        if self.broken is None:
+            self.broken, self.ready = err, None
+            if self.backend is not None:
+                self.backend.abandon(str(err))
+
+    def rank_failed(self, call: str, seq: int) -> RankFailedError:
+        """The error of call ``call`` #``seq`` on a group a member of which died (``broken`` says who)."""
+        b = self.broken
+        assert isinstance(b, RankFailedError)
+        what = self.what(call, seq)
+        err = RankFailedError(f"{what}: {b.detail}", failed_ranks=b.failed_ranks, global_ranks=b.global_ranks)
+        err.detail, err.context = b.detail, what
+        return err
+
     def refuse(self, call: str) -> NoReturn:
         """Raise the error for a call on a group that cannot take it (broken, or not a member)."""
+        if isinstance(self.broken, RankFailedError):
+            raise self.rank_failed(call, 0) from None
         if self.broken is not None:
             raise GroupBrokenError(
                 f"{self.label}{call}: group {self.name!r} failed earlier and cannot be used: {self.broken}"

@@ -54,7 +54,7 @@ def make_world(
         mpi = launched_world(info, timeout, functools.partial(rendezvous_store, init_method, info, timeout))
         atexit.register(mpi.close)  # its operations freed before MPI finalizes (after the closing checks, made later)
         backend = spec.world(Place(info.rank, info.world_size, info.local_rank, timeout, mpi, None, mpi))
-        _diagnose(mpi, timeout, None, mpi.terminate)
+        diagnose(mpi, timeout, None, mpi.terminate)
         return _group(backend, timeout), None
     shared, owned = _job_store(store, init_method, info, timeout)
     meeting = StoreMeeting(shared, info.rank)
@@ -70,20 +70,30 @@ def make_world(
         if isinstance(e, CommError):
             raise
         raise BackendUnavailableError(f"init_process_group: rank {info.rank} ({_who(info)}): {e}") from None
-    _diagnose(backend, timeout, shared, backend.terminate)
+    diagnose(backend, timeout, shared, backend.terminate)
     return _group(backend, timeout), owned
 
 
-def _diagnose(backend: Backend, timeout: float, store: Store | None, terminate: Any) -> None:
+def diagnose(backend: Backend, timeout: float, store: Store | None, terminate: Any, attach: bool = False) -> None:
     """The job's diagnostics on ``backend`` (what connects every rank): the monitor store (``store``, the job's,
-    or one world rank 0 serves), the uncaught-exception hook (ending the job with ``terminate`` where the
-    engine can), the flight recorder's signal."""
+    or one world rank 0 serves; ``attach``: a newcomer found it already), the uncaught-exception hook (ending the
+    job with ``terminate`` where the engine can), the flight recorder's signal."""
     from commlib._diagnostics import abort, flight, watchdog
 
-    watchdog.setup(backend, timeout, store)
+    watchdog.setup(backend, timeout, store, attached=attach)
     if backend.size > 1:
         abort.install_excepthook(terminate, backend.rank, backend.size)
     flight.install_signal()
+
+
+def joining_store(given: Any, init_method: str, timeout: float) -> Store:
+    """A newcomer's view of the running job's store (``commlib.grow_group``): the store its ranks met through
+    (``given``, or the one ``init_method`` names, as a client), under the prefix of their first world."""
+    info = detect()
+    base = as_store(given) if given is not None else rendezvous_store(init_method, info, timeout, serve=False)
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"commlib/{run}/{attempt}/world0", base)
 
 
 @functools.cache
@@ -135,7 +145,8 @@ def _job_store(given: Any, init_method: str, info: LaunchInfo, timeout: float) -
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and init_method == "env://":
         base = owned = _torchrun_store(info, timeout)
     else:
-        base = owned = rendezvous_store(init_method, info, timeout, serve=True)
+        # rank 0 serves the store, unless the launcher does (it outlives any rank: --on-failure continue/replace)
+        base = owned = rendezvous_store(init_method, info, timeout, serve=not setting("COMMLIB_STORE_SERVED"))
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return PrefixStore(f"commlib/{run}/{attempt}/world{next(_worlds)}", base), owned

@@ -157,6 +157,13 @@ TABLE: tuple[Setting, ...] = (
         "0: no job monitor store (timeouts then cannot say which ranks arrived or what they were calling)",
     ),
     Setting(
+        "COMMLIB_LIFELINES",
+        "1",
+        _flag,
+        "0: no lifelines (a TCP connection between every two ranks that tells every survivor of a death at once, "
+        "and carries their agreement for shrink_group/grow_group); deaths are then seen only as timeouts",
+    ),
+    Setting(
         "COMMLIB_ABORT_ON_EXCEPTION",
         "1",
         _flag,
@@ -211,6 +218,29 @@ TABLE: tuple[Setting, ...] = (
         plumbing=True,
     ),
     Setting("COMMLIB_MONITOR_TOKEN", "", _text, "the monitor store's token", plumbing=True),
+    Setting(
+        "COMMLIB_STORE_SERVED",
+        "0",
+        _flag,
+        "1: the rendezvous store at MASTER_ADDR:MASTER_PORT is served already (by commlib.launch, so that it "
+        "outlives any rank): rank 0 connects to it instead of serving it",
+        plumbing=True,
+    ),
+    Setting(
+        "COMMLIB_JOIN",
+        "0",
+        _flag,
+        "1: init_process_group joins the running job whose store MASTER_ADDR/MASTER_PORT (or init_method) names, "
+        "as a newcomer its ranks take in with commlib.grow_group() (commlib.launch --on-failure replace sets it for "
+        "a replacement; set it by hand to add a process)",
+    ),
+    Setting(
+        "COMMLIB_REPLACES",
+        "",
+        _text,
+        "the rank a replacement worker replaces (informational: it joins as a newcomer, ranked after the others)",
+        plumbing=True,
+    ),
     Setting(
         "COMMLIB_TESTING_WORKER",
         "",

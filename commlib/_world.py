@@ -12,6 +12,7 @@ from commlib._environment import LaunchInfo, detect
 from commlib._group import ProcessGroup
 from commlib._rendezvous import make_world
 from commlib._settings import current
+from commlib._settings import value as setting
 from commlib._timeouts import as_seconds
 from commlib.backends import REPORTED, Spec, choose
 from commlib.backends.base import Backend
@@ -100,9 +101,13 @@ def init_process_group(
         )
     seconds = _default_timeout(spec) if timeout is None else as_seconds(timeout, "init_process_group")
     world, owned = _state.world, None
-    if world is None:
+    if world is None and setting("COMMLIB_JOIN"):  # a newcomer to a running job (commlib.grow_group)
+        world = _join(spec, seconds, store, init_method or "env://")
+        _check_at_exit()
+    elif world is None:
         world, owned = make_world(spec, seconds, world_size, rank, init_method or "env://", store)
         _check_at_exit()
+        _watch(world)
     try:
         _check_explicit(world, world_size, rank)  # before anything is recorded: a refused call changes nothing
     except ValueError:
@@ -166,6 +171,7 @@ def _implicit_world(call: str = "") -> ProcessGroup:
     spec = choose(None)
     _state.world, _state.store = make_world(spec, _default_timeout(spec), -1, -1, "env://", None)
     _check_at_exit()
+    _watch(_state.world)
     _state.implicit, _state.groups = True, [_state.world]
     return _state.world
 
@@ -193,6 +199,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             _state.groups.remove(g)
     _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}
     if everything:
+        _recovery_stop()
         store, _state.store = _state.store, None
         _state.destroyed = _state.destroyed or _state.world is not None
         _state.world, _state.implicit, _state.groups, _state.by_ranks, _state.asked = None, False, [], {}, None
@@ -201,6 +208,24 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             store.close()
     if error is not None:
         raise error
+
+
+def _watch(world: ProcessGroup) -> None:
+    import commlib._recovery as _recovery  # the group layer above this module: it reads the groups kept here
+
+    _recovery.watch(world)
+
+
+def _join(spec: Spec, seconds: float, store: Any, init_method: str) -> ProcessGroup:
+    import commlib._recovery as _recovery
+
+    return _recovery.join(spec, seconds, store, init_method)
+
+
+def _recovery_stop() -> None:
+    import commlib._recovery as _recovery
+
+    _recovery.stop()
 
 
 def _close_all() -> BaseException | None:
@@ -230,6 +255,7 @@ def _close_at_exit() -> None:
         return
     error = _close_all()
     if error is None:
+        _recovery_stop()  # a goodbye on the lifelines: the others see this rank left, not died
         return
     sys.stdout.flush()
     sys.excepthook(type(error), error, error.__traceback__)

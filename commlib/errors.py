@@ -15,6 +15,7 @@ __all__ = [
     "DistBackendError",
     "DistError",
     "GroupBrokenError",
+    "RankFailedError",
     "TransportError",
 ]
 
@@ -38,6 +39,24 @@ class GroupBrokenError(CommError):
         super().__init__(message)
         self.peer, self.reason = peer, reason
         self.context: str | None = None  # the group's call the message names (None: a backend's raw words)
+
+
+class RankFailedError(GroupBrokenError):
+    """A rank of the group died (its process ended without leaving the job, or its host or link went away), so
+    the group can no longer be used; the survivors may go on without it (``commlib.shrink_group``).
+
+    ``failed_ranks``: the failed ranks, as ranks of the group the call ran on, sorted; ``global_ranks``: the
+    same processes as ranks of the default group they were in.
+    """
+
+    def __init__(
+        self, message: str = "", *, failed_ranks: list[int] | None = None, global_ranks: list[int] | None = None
+    ) -> None:
+        failed = sorted(failed_ranks or [])
+        super().__init__(message, peer=failed[0] if failed else None, reason="died")
+        self.failed_ranks = failed
+        self.global_ranks = sorted(global_ranks or [])
+        self.detail = message  # what happened, in words, without the call (the group layer's calls add theirs)
 
 
 class CollectiveMismatchError(CommError):

@@ -5,7 +5,8 @@
   soon as its last gradient is ready (numpy, cupy, torch or DLPack arrays);
   both live in :mod:`commlib.buckets` (globalview reuses them) and are re-exported here;
 - :class:`DistributedDataParallel` -- torch's DDP on that reducer, driven by gradient hooks;
-- :class:`DistributedSampler`, :class:`SyncBatchNorm`, :mod:`ddp.comm_hooks`.
+- :class:`DistributedSampler`, :class:`SyncBatchNorm`, :mod:`ddp.comm_hooks`;
+- :func:`broadcast_state` -- a newcomer gets the members' training state (``commlib.grow_group``).
 
 torch is optional: ``DistributedDataParallel`` and ``SyncBatchNorm`` import it on first use.
 """
@@ -28,13 +29,18 @@ __all__ = [
     "Reducer",
     "SyncBatchNorm",
     "average_all_reduce",
+    "broadcast_state",
     "comm_hooks",
     "complete_order",
     "plan_buckets",
 ]
 
 # Names whose modules import torch: loaded on first access, so `import ddp` works without torch.
-_LAZY = {"DistributedDataParallel": "ddp.parallel", "SyncBatchNorm": "ddp.sync_batchnorm"}
+_LAZY = {
+    "DistributedDataParallel": "ddp.parallel",
+    "SyncBatchNorm": "ddp.sync_batchnorm",
+    "broadcast_state": "ddp._sync",
+}
 
 
 def __getattr__(name: str) -> Any:

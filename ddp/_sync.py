@@ -78,3 +78,23 @@ def check_devices(
     if len(ids) != 1 or ids[0] != device:
         raise ValueError(f"{where}: device_ids must be [the module's device {device}], got {device_ids!r}")
     return device, [ids[0].index]
+
+
+def broadcast_state(
+    module: torch.nn.Module, optimizer: Any = None, extra: Any = None, src: int = 0, group: Any = None
+) -> Any:
+    """Make this rank's training state rank ``src``'s: the module's parameters and buffers, the optimizer's
+    state (its ``state_dict``), and ``extra`` (any picklable object: the step, the sampler's epoch, RNG states),
+    which it returns. Collective over ``group`` (default: the default group): after ``commlib.grow_group``, the
+    members and the newcomers call it, the newcomers with a freshly made module and optimizer of the same shape.
+    A ``ddp.DistributedDataParallel`` may be given for its module."""
+    inner = getattr(module, "module", module)
+    if not isinstance(inner, torch.nn.Module):
+        raise TypeError(f"broadcast_state: module must be a torch.nn.Module, got {type(module).__qualname__}")
+    rank = commlib.get_rank(group)
+    broadcast_coalesced([*inner.parameters(), *inner.buffers()], group, src)
+    payload = [optimizer.state_dict() if optimizer is not None else None, extra] if rank == src else [None, None]
+    commlib.broadcast_object_list(payload, group_src=src, group=group)
+    if optimizer is not None and rank != src:
+        optimizer.load_state_dict(payload[0])
+    return payload[1]

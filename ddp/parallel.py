@@ -136,6 +136,8 @@ class DistributedDataParallel(torch.nn.Module):
     # -- forward ---------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; a grad-enabled forward outside ``no_sync()`` arms the gradient hooks."""
+        if self.process_group is None and self.reducer._world is not commlib.group.WORLD:
+            self.follow()
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if grad_sync:  # a forward that will not sync leaves a pending backward alone, as in torch
             self._check_previous_backward()
@@ -158,6 +160,18 @@ class DistributedDataParallel(torch.nn.Module):
             if grad_sync:
                 self._watch_backward_start(output)
         return output
+
+    def follow(self) -> None:
+        """Train over the default group as it is now (after ``commlib.shrink_group`` or ``grow_group``): the
+        gradients are averaged over its ranks from the next backward on, and the iteration the failure cut short
+        is forgotten. Called by the next forward by itself when ``process_group`` is None (the default group);
+        a newcomer and the members then make their states one with :func:`ddp.broadcast_state`."""
+        self.reducer.follow()
+        rank, self._world = commlib.get_rank(self.process_group), commlib.get_world_size(self.process_group)
+        self._where = f"[rank {rank}/{self._world}] DistributedDataParallel"
+        self._used_since_sync = bytearray(len(self._params))
+        self._expect_hooks = self._hooks_seen = False
+        self._backward_start, self._join = None, None
 
     def _check_previous_backward(self) -> None:
         """Raise when the previous synced forward's backward never finished (torch raises here too)."""

@@ -26,6 +26,7 @@ GROUP_LAYER = {
     "_group",
     "_world",
     "_rendezvous",
+    "_recovery",
     "_collectives",
     "_composed",
     "_p2p",

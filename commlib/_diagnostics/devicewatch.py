@@ -53,12 +53,14 @@ def watch(group: Any) -> None:
             _state.thread.start()
 
 
-def new_world() -> None:
-    """A new world: its keys are its own; the groups of the last one are not watched any more."""
+def new_world(number: int | None = None) -> int:
+    """A new world: its keys are its own (``number``: the one the others counted to, for a newcomer); the groups
+    of the last one are not watched any more. Returns the world's number."""
     with _state.lock:
-        _state.world += 1
+        _state.world = _state.world + 1 if number is None else number
         _state.groups = []
         _state.published.clear()
+        return _state.world
 
 
 def _run() -> None:

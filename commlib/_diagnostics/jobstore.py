@@ -26,7 +26,7 @@ from commlib._settings import value as setting
 from commlib.backends._call import Call
 from commlib.errors import CommError
 
-__all__ = ["dead", "request", "setup"]
+__all__ = ["attach", "dead", "local_ip", "read", "request", "setup", "store"]
 
 _STORE_TIMEOUT = 1.0  # the store is an aid: a slow or vanished store must not stall a rank for long
 _PAYLOAD = 256
@@ -65,6 +65,31 @@ def setup(backend: Any, timeout: float, store: Any = None) -> bool:
         job = _serve_and_share(backend, timeout) or job
     _flight.set_job(backend.rank, backend.size, job or "unknown")
     return True
+
+
+def attach(store: Any) -> bool:
+    """A newcomer to a running job (``commlib.grow_group``): the job's store, found as its members found it (the
+    launcher's, or the job's rendezvous ``store`` under the same prefix). False: there is none."""
+    _state.address, _state.client, _state.dead = None, None, None
+    given = setting("COMMLIB_MONITOR_STORE")
+    if not setting("COMMLIB_MONITOR"):
+        _state.dead = "no job store (COMMLIB_MONITOR=0)"
+    elif given:
+        host, _, port = given.rpartition(":")
+        _state.address = (host, int(port), setting("COMMLIB_MONITOR_TOKEN"))
+    elif store is not None:
+        from commlib.store import PrefixStore
+
+        _state.client = PrefixStore("monitor", store)
+    else:
+        _state.dead = "no job store to find the running job through"
+    return _state.dead is None
+
+
+def store() -> Any:
+    """The job's store itself (connected), for a caller that waits on its keys; None when there is none."""
+    with _state.lock:
+        return _client()
 
 
 def _serve_and_share(backend: Any, timeout: float) -> str:
@@ -153,3 +178,20 @@ def read(key: str) -> str | None:
 def dead() -> str | None:
     """Why there is no store to use (None: there is one, as far as anyone knows)."""
     return _state.dead
+
+
+def local_ip() -> str:
+    """This host's address as the other ranks reach it: the local end of the route to the job's store (its host
+    reaches every rank's), else the host name's address."""
+    host = _state.address[0] if _state.address is not None else None
+    store = _state.client
+    while host is None and store is not None:  # a prefix store over the job's rendezvous store
+        host, store = getattr(store, "_host", None), getattr(store, "_store", None)
+    if host:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # a datagram socket's connect sends nothing: it only picks the route
+            return str(probe.getsockname()[0])
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

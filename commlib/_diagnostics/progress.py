@@ -31,10 +31,12 @@ class _State:
 _state = _State()
 
 
-def new_world() -> None:
-    """A new world: its keys are its own."""
-    _state.worlds += 1
+def new_world(number: int | None = None) -> int:
+    """A new world: its keys are its own (``number``: the one the others counted to, for a newcomer). Returns
+    the world's number."""
+    _state.worlds = _state.worlds + 1 if number is None else number
     _state.published.clear()
+    return _state.worlds
 
 
 def _key(g: Any, group_rank: int) -> str:

@@ -7,7 +7,8 @@ and, from 0.5 s on, reads where the others wait: when no call can ever complete 
 their calls differ; a send or receive whose peer waits in a collective this rank has not reached), it raises
 ``CollectiveMismatchError`` now instead of at the timeout. A rank whose exception was uncaught reports it
 through the store before its job ends (``_diagnostics.abort``): the others' waits end with
-``GroupBrokenError`` naming it. :func:`arrival` tells a timeout's error who arrived.
+``GroupBrokenError`` naming it. A wait on a group a member of which died (the lifelines' thread marked it)
+ends with ``RankFailedError`` naming the dead. :func:`arrival` tells a timeout's error who arrived.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import time
 from typing import Any
 
 from commlib._diagnostics import devicewatch, jobstore, progress, verdicts
+from commlib._diagnostics import flight as _flight
 from commlib._diagnostics import waits as _waits
-from commlib.errors import CollectiveMismatchError, GroupBrokenError
+from commlib._settings import value as setting
+from commlib.errors import CollectiveMismatchError, GroupBrokenError, RankFailedError
 
 __all__ = ["FAILED", "REPORTED", "arrival", "setup", "watchdog"]
 
@@ -34,23 +37,29 @@ class _State:
 _state = _State()
 
 
-def setup(backend: Any, timeout: float, store: Any = None) -> None:
-    """At world creation, on every rank: the job's store (:func:`jobstore.setup`), and the slow path on."""
+def setup(backend: Any, timeout: float, store: Any = None, attached: bool = False) -> None:
+    """At world creation, on every rank: the job's store (:func:`jobstore.setup`; ``attached``: a newcomer found
+    it already), and the slow path on."""
     from commlib.backends import base as _base
 
     _state.failure_raised = False
     progress.new_world()
     devicewatch.new_world()
-    if jobstore.setup(backend, timeout, store):
-        _base.watchdog = watchdog
+    if attached:
+        _flight.set_job(backend.rank, backend.size, setting("COMMLIB_JOB_ID") or "unknown")
+    else:
+        jobstore.setup(backend, timeout, store)
+    _base.watchdog = watchdog  # a member's death is raised on the slow path, with a store or without
 
 
 def watchdog(waited: float, waiting: _waits.Waiting | None = None) -> None:
     """The slow path of a wait that has lasted ``waited`` seconds (``waiting``: what it waits in; default: what
     this thread entered). May raise ``CollectiveMismatchError`` or ``GroupBrokenError``."""
+    w = waiting or _waits.current()
+    if w is not None and isinstance(w.group.broken, RankFailedError):  # a member died (the lifelines said so)
+        raise w.group.rank_failed(w.call, w.seq)
     if jobstore.dead() is not None or _state.failure_raised:
         return
-    w = waiting or _waits.current()
     if w is not None and w.group.rank >= 0:
         progress.publish(w)
         if waited >= _JUDGE_AFTER:

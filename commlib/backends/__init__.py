@@ -2,8 +2,9 @@
 table, :data:`REGISTRY`.
 
 A backend is one module and one line here. Its module provides ``world(place) -> Backend`` (the default group's
-communicator: found from ``place`` and agreed among its ranks, see :class:`Place`) and ``unavailable() -> str |
-None`` (why it cannot run here); the line names it, its default timeout, and whether it drives a device.
+communicator: found from ``place`` and agreed among its ranks, or joined as a newcomer, see :class:`Place`) and
+``unavailable() -> str | None`` (why it cannot run here); the line names it, its default timeout, and whether it
+drives a device.
 :func:`register` adds one at run time (``commlib.Backend.register_backend``). Nothing above this table branches
 on a backend's name. Only the mpi backend's modules import mpi4py; only the nccl modules import cupy; the table
 imports neither until a backend is used.
@@ -21,6 +22,7 @@ __all__ = [
     "ALIASES",
     "DEFAULT_TIMEOUT",
     "REGISTRY",
+    "Joining",
     "Place",
     "Spec",
     "choose",
@@ -45,6 +47,17 @@ class Place:
     meeting: Any  #: a ``base.Meeting``: the MPI world (an MPI launcher started the job) or the job's store
     store: Any = None  #: the job's store, where its ranks met through one (torchrun, env://, tcp://, file://)
     mpi: Any = None  #: the MPI world's backend, where an MPI launcher started the job
+    join: Any = None  #: a newcomer to a running job (``commlib.grow_group``): a :class:`Joining`; ``store``: its keys
+
+
+@dataclass(frozen=True, slots=True)
+class Joining:
+    """A newcomer's place in a growing world: the ``nth`` of ``newcomers`` (they join in that order), and the
+    members' ``payload`` (``Backend.grow_payload``: a new communicator's unique id)."""
+
+    nth: int
+    newcomers: int
+    payload: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from commlib.backends.mpi import MpiBackend
 from commlib.errors import BackendUnavailableError, CommError, CommTimeoutError
 
-__all__ = ["join_nodes", "join_singletons", "launched", "world"]
+__all__ = ["admit", "join_nodes", "join_running", "join_singletons", "launched", "world"]
 
 _GREETING = 7  # the tag of the joiner's and the root's greetings (the intercommunicator carries nothing else)
 #: seconds a joiner waits beyond what node 0 allows itself, so that node 0 always gives up first: a joiner
@@ -207,3 +207,16 @@ def join_singletons(store: Any, rank: int, size: int, timeout: float) -> MpiBack
             "`pip install mpich==4.3.2`, or start the job with mpiexec or `python -m commlib.launch`"
         )
     return join_nodes(MpiBackend(MPI.COMM_SELF), rank, size, rank, store, timeout, unit="rank")
+
+
+def admit(members: MpiBackend, newcomers: int, store: Any, timeout: float) -> MpiBackend:
+    """The members' side of a group that grows (``commlib.grow_group``): ``members`` accept ``newcomers``
+    processes, one after the other, through ``store`` (as :func:`join_nodes` joins nodes); they keep their
+    ranks, the newcomers come after them."""
+    return join_nodes(members, 0, 1 + newcomers, members.rank, store, timeout, unit="newcomer")
+
+
+def join_running(store: Any, rank: int, nth: int, newcomers: int, timeout: float) -> MpiBackend:
+    """A newcomer's side (the ``nth`` of ``newcomers``, to be rank ``rank``): connect to the running group's
+    members through ``store`` when its turn comes (see :func:`admit`)."""
+    return join_nodes(MpiBackend(MPI.COMM_SELF), 1 + nth, 1 + newcomers, rank, store, timeout, unit="newcomer")

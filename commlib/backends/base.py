@@ -494,6 +494,37 @@ class Backend(abc.ABC):
         """Fence the communicator off after a failure (``reason``: what failed, in words): unblock what waits on
         a dead peer, and tell the other ranks, as far as the engine can. Never blocks."""
 
+    def abandon(self, reason: str = "") -> None:
+        """A peer died (``reason``): fence the communicator off without telling anyone (every survivor learns of
+        the death by itself; a message to the dead may never leave), unblocking what waits on the dead, from
+        any thread; never free it afterwards (an engine may still use what it references). Never blocks.
+        Default: :meth:`abort`."""
+        self.abort(reason)
+
+    def shrink_payload(self) -> Any:
+        """What the survivors' lowest rank gives the others for :meth:`shrink` (a new communicator's unique
+        id, as text): JSON-able. Default: None."""
+        return None
+
+    def shrink(self, keep: list[int], key: int, timeout: float, payload: Any) -> Backend:
+        """The communicator of ranks ``keep`` (in that order), made by them alone from this one whose other
+        ranks died or were excluded (``commlib.shrink_group``, after the survivors agreed on ``keep``):
+        ``key`` differs for each attempt, ``payload`` is :meth:`shrink_payload` of ``keep[0]``. A backend that
+        cannot raises ``NotImplementedError`` (the default)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot shrink a communicator")
+
+    def grow_payload(self) -> Any:
+        """What the members' rank 0 gives every rank for :meth:`grow` and the newcomers' ``world(place)`` (a new
+        communicator's unique id, as text): JSON-able. Default: None."""
+        return None
+
+    def grow(self, newcomers: int, store: Any, timeout: float, payload: Any) -> Backend:
+        """The members' side of a growing world (``commlib.grow_group``): the communicator of this one's ranks
+        followed by ``newcomers`` processes, which make theirs with the backend's ``world(place)`` (``place.join``
+        set); ``store``: keys of this growth alone, for the two sides to meet; ``payload``: :meth:`grow_payload` of
+        rank 0. A backend that cannot raises ``NotImplementedError`` (the default)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot grow a communicator")
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release the communicator (never the world's own)."""

@@ -62,7 +62,10 @@ def world(place: Any) -> MpiBackend:
     from commlib.backends import _mpi_world
 
     backend = place.mpi
-    if backend is None:
+    if place.join is not None:  # a newcomer to a running job (commlib.grow_group)
+        nth, newcomers = place.join.nth, place.join.newcomers
+        backend = _mpi_world.join_running(place.store, place.rank, nth, newcomers, place.timeout)
+    elif backend is None:
         backend = _mpi_world.join_singletons(place.store, place.rank, place.size, place.timeout)
     backend.prepare(place.timeout, world=True)
     return backend
@@ -185,6 +188,7 @@ class MpiBackend(Backend):
         self.spares: dict[tuple, list[Any]] = {}  # executors of asynchronous calls, idle
         self.abandoned: list = []  # executors a wait gave up on: MPI may still use their buffers
         self.noticed = False  # abort() told the others already
+        self.orphaned = False  # a peer died (abandon()): the communicator is kept for good, never freed
         self.ready: dict[Any, ReadyOp] = {}  # the group layer's ready operations, by the keys it gave (prepared())
         self.keys: dict[int, list[Any]] = {}  # id(executor) -> its keys in self.ready
 
@@ -393,12 +397,45 @@ class MpiBackend(Backend):
                 if p != self.rank:
                     self.abandoned.append((comm.Isend([text, MPI.BYTE], p, self.max_tag + TAG_FAIL), text))
 
+    def abandon(self, reason: str = "") -> None:
+        """A peer died: the executors are dropped (never run, nor freed, again) and no one is told (a message to
+        the dead may never leave); the communicator is kept as it is for good: freeing or disconnecting it may
+        wait for the dead."""
+        self.noticed = self.orphaned = True
+        self.abort(reason)
+
+    def shrink(self, keep: list[int], key: int, timeout: float, payload: Any) -> MpiBackend:
+        """The survivors' communicator: ``MPI_Comm_create_group`` over this one, called by the ranks of ``keep``
+        alone (it speaks only to them; MPICH builds it in milliseconds, the dead never asked)."""
+        everyone = self.comm.Get_group()
+        kept = everyone.Incl(keep)
+        everyone.Free()
+        try:
+            comm = self.comm.Create_group(kept, _SHRINK_TAG + key % 1024)
+        finally:
+            kept.Free()
+        backend = MpiBackend(cast(MPI.Intracomm, comm))
+        backend.prepare(timeout)
+        return backend
+
+    def grow(self, newcomers: int, store: Any, timeout: float, payload: Any) -> MpiBackend:
+        """The members' side of a growing world: accept the newcomers through ``store`` (MPI's connect/accept,
+        :func:`_mpi_world.admit`), then agree on the pattern with them."""
+        from commlib.backends import _mpi_world
+
+        backend = _mpi_world.admit(self, newcomers, store, timeout)
+        backend.prepare(timeout, world=True)
+        return backend
+
     def terminate(self) -> None:
         """End every process of the job: MPI_Abort on this communicator (all processes connected to it)."""
         self.comm.Abort(1)
 
     def close(self) -> None:
-        """Free the executors, the duplicates and the communicator (never the world's)."""
+        """Free the executors, the duplicates and the communicator (never the world's; never one a dead peer
+        left behind: see :meth:`abandon`)."""
+        if self.orphaned:
+            return
         for ex in list(self.ops.values()) + [s for spares in self.spares.values() for s in spares]:
             if ex.state == "idle":
                 ex.free()
@@ -416,6 +453,7 @@ class MpiBackend(Backend):
 
 
 _COMPOSED = ("all_to_all", "gather", "scatter")
+_SHRINK_TAG = 4096  # MPI_Comm_create_group's tags for shrink_group (one per attempt of the survivors' agreement)
 
 
 def _agree(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:

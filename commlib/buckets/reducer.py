@@ -100,6 +100,7 @@ class Reducer:
         self.rank = commlib.get_rank(group)
         self.world_size = commlib.get_world_size(group)
         self._label = f"[rank {self.rank}/{self.world_size}] Reducer"
+        self._world = commlib.group.WORLD if group is None else None  # the default group it averages over
         self._arrays = self._check_params(params)
         self.names = self._check_names(names, len(self._arrays))
         self._infos = [_arrays.describe(a, n) for a, n in zip(self._arrays, self.names, strict=True)]
@@ -117,6 +118,18 @@ class Reducer:
         self.globally_used = [True] * len(self._arrays)
         self._scratch: list[Any] | None = None
         self._install(plan_buckets(self._infos, *self._caps, lone_mb=self._lone_mb), keep=False)
+        self._reset()
+
+    def follow(self) -> None:
+        """Average over the default group as it is now: after ``commlib.shrink_group`` (a rank died) or
+        ``commlib.grow_group`` (newcomers joined), the next iteration divides by the new world size. The
+        iteration under way is forgotten (its reductions ran on the group that ended). A reducer over the default
+        group (``group=None``) calls it by itself at the first gradient after the change."""
+        self.rank, self.world_size = commlib.get_rank(self.group), commlib.get_world_size(self.group)
+        self._label = f"[rank {self.rank}/{self.world_size}] Reducer"
+        self._world = commlib.group.WORLD if self.group is None else None
+        if self._comm is self._sum:
+            self._scale = 1.0 / self.world_size
         self._reset()
 
     def set_comm(self, comm: Comm | None) -> None:
@@ -190,6 +203,8 @@ class Reducer:
         started. ``used=False`` marks a gradient this rank did not compute (see ``find_unused``);
         with ``grad=None`` it must already be in the bucket view ``views[index]`` (unscaled).
         """
+        if self._world is not None and self._world is not commlib.group.WORLD:
+            self.follow()
         self._check_index(index, "ready")
         view = self.views[index]
         if grad is None or grad is view:
@@ -232,6 +247,8 @@ class Reducer:
 
     def mark_unused(self, index: int) -> None:
         """Parameter ``index`` got no gradient on this rank: it contributes zeros."""
+        if self._world is not None and self._world is not commlib.group.WORLD:
+            self.follow()
         self._check_index(index, "mark_unused")
         _arrays.zero(self.views[index])
         self._mark(index, used=False)

@@ -8,7 +8,8 @@ with commlib's timeouts and error messages. The backend is registered
 - by ``import torch`` alone, through the ``torch.backends`` entry point :func:`autoload`.
 
 Registering imports neither mpi4py nor the backend's own modules and initialises
-nothing: commlib joins the job when torch creates the first group. See docs/torch.md.
+nothing: commlib joins the job when torch creates the first group. It also lets
+``dist.shrink_group`` reach commlib's groups (``_shrink``). See docs/torch.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def register() -> bool:
         return False
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+        from commlib.torch_backend._shrink import install
+
+        install()  # dist.shrink_group on commlib's groups
     return True
 
 

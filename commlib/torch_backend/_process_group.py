@@ -95,6 +95,25 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         """Nothing to do: a commlib group that failed is already fenced off."""
 
+    # -- shrinking (torch's dist.shrink_group; see commlib.torch_backend._shrink) ----------------------------
+    @property
+    def supports_shrinking(self) -> bool:
+        """True: ``dist.shrink_group`` works on this group (``commlib.shrink_group`` underneath)."""
+        return True
+
+    def shrink(self, ranks: list[int], shrink_flags: int = 0, opts_override: Any = None) -> CommlibProcessGroup:
+        """The group without ``ranks`` (group ranks) and without every rank a survivor knows to have died: a new
+        group for torch (``commlib.shrink_group``); this one is destroyed (a later call on it raises)."""
+        with LOCK:
+            world = self._group is None  # this torch group is commlib's default group: so is the new one
+            old = commlib.group.WORLD if world else self._group
+            new = commlib.shrink_group(list(ranks), group=self._group)
+            self._group = old  # destroyed by the shrink: a call through this torch group now says so
+        rank, size = commlib.get_rank(new), commlib.get_world_size(new)
+        made = CommlibProcessGroup(None if world else new, rank, size, self._timeout)
+        made._desc = f"{self._desc or 'default'}:shrunk"
+        return made
+
     # -- running a call ----------------------------------------------------------------------------
     def _issue(
         self,
