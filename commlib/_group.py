@@ -41,6 +41,16 @@ from commlib.errors import (
 
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
 
+
+def _no_deaths(group: Any, wait: float) -> RankFailedError | None:
+    return None
+
+
+#: ``dead_members(group, wait)``: the ``RankFailedError`` of ``group`` when a member died, waiting up to ``wait``
+#: s for the lifelines to say so (an engine may see a death first); None when none did (``commlib._recovery``)
+dead_members: Callable[[Any, float], RankFailedError | None] = _no_deaths
+_DEATH_GRACE = 0.5
+
 _ring = _flight.ring
 _now, _starts, _ends, _slots = _flight.now, _ring.starts, _ring.ends, _ring.slots  # hot path: globals
 _Waiting = _waits.Waiting
@@ -376,6 +386,10 @@ class ProcessGroup:
         explained as ranks that disagree."""
         if slot >= 0:
             _ring.end(slot, self, seq, ok=False)
+        if type(err) is CommError and self.broken is None:  # the engine failed: did a member die (the lifelines)?
+            err = dead_members(self, _DEATH_GRACE) or err
+        if isinstance(err, RankFailedError) or isinstance(self.broken, RankFailedError):
+            raise self.rank_failed(call, seq) from None
         if type(err) is CommError and self.backend is not None and self.backend.digests() is not None:
             err = devicewatch.compare(self) or err  # the engine failed (NCCL): do the ranks' calls differ? which?
         if isinstance(err, (CollectiveMismatchError, GroupBrokenError)) and err.peer is not None and not err.context:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 import commlib._collectives as _collectives
+import commlib._group as _group
 import commlib._world as _world
 from commlib._diagnostics import agreement, devicewatch, jobstore, lifelines, progress
 from commlib._group import ProcessGroup
@@ -160,6 +161,22 @@ def _changed(peer_id: int, what: str, how: str) -> None:
         g.mark_failed(RankFailedError(detail, failed_ranks=failed, global_ranks=[g.ranks[r] for r in failed]))
 
 
+def _dead_members(g: ProcessGroup, wait: float) -> RankFailedError | None:
+    """``g``'s RankFailedError once the lifelines say a member died, waiting up to ``wait`` s (an engine, such as
+    NCCL, may report a dead peer before its lifeline's end is read)."""
+    if lifelines.current() is None:
+        return None
+    deadline = time.monotonic() + wait
+    while not isinstance(g.broken, RankFailedError):
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.005)
+    return g.broken
+
+
+_group.dead_members = _dead_members
+
+
 # -- shrink ---------------------------------------------------------------------------------------------------
 def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None) -> ProcessGroup:
     """The survivors' group: ``group`` (default: the default group) without ``ranks_to_exclude`` (its group
@@ -207,7 +224,7 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None)
         raise CommTimeoutError(f"{label}{call} on group {g.name!r}: {e}") from None
     keep = [r for r, i in enumerate(ids) if i in decision.kept]
     with _guard(mesh, decision.kept, f"{label}{call} on group {g.name!r}"):
-        new_backend = backend.shrink(keep, decision.attempt, g.timeout, decision.payload)
+        new_backend = backend.shrink(keep, decision.attempt, g.timeout, decision.payload, bool(decision.failed))
     me = keep.index(g.rank)
     if g is st.world:  # the new default group; every other group ends
         _state.ids = [ids[r] for r in keep]

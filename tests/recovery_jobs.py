@@ -80,6 +80,7 @@ class Job:
         lines = [f"job of {len(self.processes)} processes, {self.seconds:.1f} s{', HUNG' if self.hung else ''}"]
         for p in self.processes:
             lines.append(f"--- rank {p.rank} (exit {p.proc.returncode}): {[e['what'] for e in p.events]}")
+            lines += [f"    {e['what']}: {e['error']}" for e in p.events if "error" in e]
             lines += [f"    {line}" for line in p.out[-5:]]
             lines += [f"    ! {line}" for line in p.err.splitlines()[-12:] if "UCX  WARN" not in line]
         return "\n".join(lines)

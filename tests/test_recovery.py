@@ -9,6 +9,7 @@ import signal
 
 import pytest
 from recovery_jobs import Job, Kill, run
+from reference import BACKENDS
 
 # an all_reduce loop; the survivors of a death shrink the group and check 21 all_reduces on it
 LOOP = """
@@ -60,11 +61,11 @@ def _check_recovery(job: Job, victim: int, n: int) -> dict[str, list[float]]:
     return times
 
 
-@pytest.mark.parametrize("n", [4, 8])
-def test_every_survivor_is_told_within_2_s_and_the_shrunk_group_is_right(n: int) -> None:
-    job = run(n, LOOP, kills=[Kill([2], "ready", delay=0.3)], deadline=120)
+@pytest.mark.parametrize(("n", "backend"), [(4, "mpi"), (8, "mpi"), (4, "nccl")])
+def test_every_survivor_is_told_within_2_s_and_the_shrunk_group_is_right(n: int, backend: str) -> None:
+    job = run(n, LOOP, kills=[Kill([2], "ready", delay=0.3)], env=BACKENDS[backend], deadline=120)
     times = _check_recovery(job, 2, n)
-    print(f"\n{n} ranks: s after the kill: " + ", ".join(f"{k} {max(v):.2f}" for k, v in times.items()))
+    print(f"\n{n} ranks, {backend}: s after the kill: " + ", ".join(f"{k} {max(v):.2f}" for k, v in times.items()))
 
 
 def test_the_death_of_the_rank_that_serves_the_store() -> None:
@@ -138,8 +139,9 @@ event("done", right=right, size=n, now=dist.get_rank(), state=state.tolist())
 """
 
 
-def test_a_newcomer_joins_the_shrunk_group_and_receives_its_state() -> None:
-    job = run(4, GROW, kills=[Kill([2], "ready", delay=0.3)], newcomers=["shrunk"], deadline=120)
+@pytest.mark.parametrize("backend", ["mpi", "nccl"])
+def test_a_newcomer_joins_the_shrunk_group_and_receives_its_state(backend: str) -> None:
+    job = run(4, GROW, kills=[Kill([2], "ready", delay=0.3)], newcomers=["shrunk"], env=BACKENDS[backend])
     assert not job.hung, job.report()
     done = [p.first("done") for p in job.survivors()]
     assert all(d is not None for d in done), job.report()

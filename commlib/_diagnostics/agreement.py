@@ -47,12 +47,14 @@ class Transport(Protocol):
 
 class Decision(NamedTuple):
     """What every survivor agreed: the ids that are out (failed or excluded), the ones kept (sorted), the
-    attempt that agreed, and the lowest kept id's payload."""
+    attempt that agreed, the lowest kept id's payload, and the ids among ``out`` that failed (not only
+    excluded)."""
 
     out: list[int]
     kept: list[int]
     attempt: int
     payload: Any
+    failed: list[int]
 
 
 class Excluded(Exception):
@@ -148,15 +150,16 @@ def _attempt(
             continue
         sender, msg = got
         proposals[sender] = (set(msg["E"]), set(msg["F"]))
-    out = set(out_failed)
+    out, dead = set(out_failed), set(out_failed)
     for e, f in proposals.values():
         out |= e | f
+        dead |= f
     kept = sorted(everyone - out)
     if me in out:
         raise Excluded(sorted(p for p, (e, _) in proposals.items() if me in e))
     # 2. confirm
     extra = payload(kept) if payload is not None and me == kept[0] else None
-    confirm = {"t": "agree", "k": key, "a": attempt, "p": 2, "D": sorted(out), "x": extra}
+    confirm = {"t": "agree", "k": key, "a": attempt, "p": 2, "D": sorted(out), "F": sorted(dead), "x": extra}
     for m in kept:
         if m != me:
             t.send(m, confirm)
@@ -171,6 +174,6 @@ def _attempt(
                 raise CommTimeoutError(f"the survivors' agreement: {silent} did not confirm within the timeout")
             continue
         confirmed[got[0]] = got[1]
-    if any(c["D"] != sorted(out) for c in confirmed.values()) or failed() & set(kept):
+    if any(c["D"] != sorted(out) or c["F"] != sorted(dead) for c in confirmed.values()) or failed() & set(kept):
         raise _Restart(attempt + 1)
-    return Decision(sorted(out), kept, attempt, confirmed[kept[0]]["x"])
+    return Decision(sorted(out), kept, attempt, confirmed[kept[0]]["x"], sorted(dead))

@@ -44,7 +44,13 @@ def join_nodes(
     deadline = time.monotonic() + timeout
     comm: MPI.Intracomm = local.comm
     store.set(f"commlib/join/{node}/{comm.Get_rank()}", b"1")
-    store.wait([f"commlib/join/{k}/0" for k in range(nnodes)], timeout)
+    try:
+        store.wait([f"commlib/join/{k}/0" for k in range(nnodes)], timeout)
+    except CommTimeoutError:
+        missing = [k for k in range(nnodes) if not store.check([f"commlib/join/{k}/0"])]
+        raise CommTimeoutError(
+            _failed(f"{unit}s {missing} did not reach the job's store within {timeout:g} s (did they start? die?)")
+        ) from None
     root = node == 0 and comm.Get_rank() == 0
     port = MPI.Open_port() if root else ""
     merged = comm

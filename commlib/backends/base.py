@@ -506,11 +506,12 @@ class Backend(abc.ABC):
         id, as text): JSON-able. Default: None."""
         return None
 
-    def shrink(self, keep: list[int], key: int, timeout: float, payload: Any) -> Backend:
+    def shrink(self, keep: list[int], key: int, timeout: float, payload: Any, died: bool) -> Backend:
         """The communicator of ranks ``keep`` (in that order), made by them alone from this one whose other
         ranks died or were excluded (``commlib.shrink_group``, after the survivors agreed on ``keep``):
-        ``key`` differs for each attempt, ``payload`` is :meth:`shrink_payload` of ``keep[0]``. A backend that
-        cannot raises ``NotImplementedError`` (the default)."""
+        ``key`` differs for each attempt, ``payload`` is :meth:`shrink_payload` of ``keep[0]``, ``died``: some
+        of the others died (the same on every survivor). A backend that cannot raises ``NotImplementedError``
+        (the default)."""
         raise NotImplementedError(f"backend {self.name!r} cannot shrink a communicator")
 
     def grow_payload(self) -> Any:

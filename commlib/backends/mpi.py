@@ -404,7 +404,7 @@ class MpiBackend(Backend):
         self.noticed = self.orphaned = True
         self.abort(reason)
 
-    def shrink(self, keep: list[int], key: int, timeout: float, payload: Any) -> MpiBackend:
+    def shrink(self, keep: list[int], key: int, timeout: float, payload: Any, died: bool) -> MpiBackend:
         """The survivors' communicator: ``MPI_Comm_create_group`` over this one, called by the ranks of ``keep``
         alone (it speaks only to them; MPICH builds it in milliseconds, the dead never asked)."""
         everyone = self.comm.Get_group()

@@ -146,6 +146,9 @@ def world(place: Any) -> NcclBackend:
     module, cuda, xp, host = load(emulated())
     if not host:  # one process per GPU, unless the caller already chose one
         cuda.Device(place.local_rank % cuda.runtime.getDeviceCount()).use()
+    if place.join is not None:  # a newcomer to a running job (commlib.grow_group): rank 0's unique id
+        comm = module.NcclCommunicator(place.size, bytes.fromhex(place.join.payload), place.rank)
+        return NcclBackend(module, cuda, xp, comm, host, None, list(range(place.size)))
     everyone = list(range(place.size))
     uid = unique_id(module) if place.rank == 0 else b""
     uid = place.meeting.rendezvous(everyone, place.timeout, uid, what="the NCCL world's unique id")
@@ -439,6 +442,34 @@ class NcclBackend(Backend):
         uid = unique_id(self.nccl) if self.rank == ranks[0] else b""
         uid = self.rendezvous(ranks, timeout, uid, what="an NCCL group's unique id")
         return self._sub(self.nccl.NcclCommunicator(len(ranks), uid, ranks.index(self.rank)), ranks)
+
+    # -- recovery (commlib.shrink_group, commlib.grow_group) -------------------------------------------------
+    def shrink_payload(self) -> str:
+        """A fresh unique id (hex): the survivors' communicator, when it cannot be shrunk from this one."""
+        return unique_id(self.nccl).hex()
+
+    def shrink(self, keep: list[int], key: int, timeout: float, payload: Any, died: bool) -> NcclBackend:
+        """The survivors' communicator: ``ncclCommShrink`` of this one where the NCCL module has it and no rank
+        died (a communicator a death aborted cannot be shrunk); else this one aborted and a new one from the
+        lowest survivor's unique id (``payload``), made by the survivors alone."""
+        shrink = getattr(self.comm, "commShrink", None)
+        if shrink is not None and not died and not self._aborted:
+            comm = shrink([r for r in range(self.size) if r not in keep], getattr(self.nccl, "NCCL_SHRINK_ABORT", 1))
+        else:
+            self.abort("shrink_group")
+            comm = self.nccl.NcclCommunicator(len(keep), bytes.fromhex(payload), keep.index(self.rank))
+        return self._sub(comm, keep)
+
+    def grow_payload(self) -> str:
+        """A fresh unique id (hex): the grown world's communicator."""
+        return unique_id(self.nccl).hex()
+
+    def grow(self, newcomers: int, store: Any, timeout: float, payload: Any) -> NcclBackend:
+        """The members' side of a growing world: a new communicator of every member and newcomer from rank 0's
+        unique id (``payload``); this one is kept as it is."""
+        comm = self.nccl.NcclCommunicator(self.size + newcomers, bytes.fromhex(payload), self.rank)
+        mapped = self.bootstrap_ranks + list(range(len(self.bootstrap_ranks), len(self.bootstrap_ranks) + newcomers))
+        return NcclBackend(self.nccl, self.cuda, self.xp, comm, self.host, None, mapped)
 
     def _sub(self, comm: Any, ranks: list[int]) -> NcclBackend:
         mapped = [self.bootstrap_ranks[r] for r in ranks]
