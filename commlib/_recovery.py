@@ -223,6 +223,13 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None)
     except CommTimeoutError as e:
         raise CommTimeoutError(f"{label}{call} on group {g.name!r}: {e}") from None
     keep = [r for r, i in enumerate(ids) if i in decision.kept]
+    lost = [r for r, i in enumerate(ids) if i in decision.failed]
+    if lost and (2 * len(keep) < len(ids) or (2 * len(keep) == len(ids) and 0 not in keep)):
+        raise CommError(
+            f"{label}{call} on group {g.name!r}: ranks {lost} are gone and only {keep} of its {len(ids)} ranks remain "
+            "reachable; that may be a network partition, where the other side goes on too: the survivors go on only "
+            "when they are more than half of the group, or half of it with its rank 0"
+        )
     with _guard(mesh, decision.kept, f"{label}{call} on group {g.name!r}"):
         new_backend = backend.shrink(keep, decision.attempt, g.timeout, decision.payload, bool(decision.failed))
     me = keep.index(g.rank)

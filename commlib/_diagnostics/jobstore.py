@@ -48,6 +48,13 @@ def setup(backend: Any, timeout: float, store: Any = None) -> bool:
     """At world creation, on every rank: find the job's store (the launcher's, the rendezvous ``store`` the job
     already shares, or one world rank 0 serves). False: there is none (one rank, or ``COMMLIB_MONITOR=0``)."""
     job = setting("COMMLIB_JOB_ID")
+    if _state.server is not None:  # the last world's (world rank 0 served it): a new world, a new store
+        with contextlib.suppress(Exception):
+            _state.server.stop()
+        _state.server = None
+    if _state.client is not None:
+        with contextlib.suppress(Exception):
+            _state.client.close()  # (a prefix store over the job's store leaves that store open)
     _state.address, _state.client, _state.dead = None, None, None
     if not setting("COMMLIB_MONITOR") or backend.size == 1:
         _state.dead = "no job store (COMMLIB_MONITOR=0, or one rank)"

@@ -1,0 +1,200 @@
+"""What a rank's death costs: the survivors' detection, agreement and first good call; time lost in training.
+
+    python benchmarks/recovery.py                  # 4 and 8 ranks, median of 5 runs; then the training runs
+    python benchmarks/recovery.py --ranks 4 --runs 3 --no-training
+    python benchmarks/recovery.py --smoke          # CI: 3 ranks once, 30 training steps (commlib's runs only)
+
+Part 1, under ``python -m commlib.launch --on-failure continue``: N ranks run an all_reduce loop (1024 float32);
+rank 2 is SIGKILLed from outside. Each survivor reports, in seconds after the kill: when its call raised
+``RankFailedError`` naming the dead rank (detection), when ``shrink_group`` returned (agreement and the new
+communicator), when the first all_reduce on the shrunk group was right (first good call); 20 more are checked.
+A row shows the median over the runs of the slowest survivor.
+
+Part 2, ``examples/train_through_failure.py`` on 4 ranks, 200 steps: under ``commlib.launch --on-failure
+replace``, uninterrupted, then with rank 2 killed at step 50 and its replacement taken in at step 100; under
+``torchrun --max-restarts 2`` with a snapshot every 10 steps (rank 0 saves it), uninterrupted, then with the same
+kill (torch's agent restarts every worker, which resume from the snapshot). Time lost = wall time with the kill
+minus without; the final validation loss of both; whether every rank ends with the same weights.
+This is a benchmark, not a test: it prints numbers and never fails on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_through_failure.py"
+
+LOOP = """
+import json, os, time
+import numpy as np
+import commlib as dist
+def event(what, **kw):
+    print("EVENT " + json.dumps({"what": what, "pid": os.getpid(), "t": time.time(), **kw}), flush=True)
+dist.init_process_group(timeout=60)
+for _ in range(5):
+    dist.all_reduce(np.ones(1024, np.float32))
+event("ready", rank=dist.get_rank())
+try:
+    while True:
+        dist.all_reduce(np.ones(1024, np.float32))
+except dist.RankFailedError as e:
+    event("raised", failed=e.failed_ranks)
+    dist.shrink_group(e.failed_ranks)
+    event("shrunk")
+    n = dist.get_world_size()
+    right = 0
+    for i in range(21):
+        y = np.full(1024, dist.get_rank() + 1.0, np.float32)
+        dist.all_reduce(y)
+        right += bool((y == n * (n + 1) / 2).all())
+        if i == 0 and right:
+            event("first")
+    event("done", right=right)
+"""
+_EVENT = re.compile(r"^\[(\d+)\] EVENT (.*)$")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_"))}
+    return env | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_kill(n: int, victim: int = 2, timeout: float = 120.0) -> dict[str, float] | None:
+    """One job of ``n`` ranks losing ``victim``: the slowest survivor's seconds after the kill, per step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        program = Path(tmp) / "loop.py"
+        program.write_text(LOOP)
+        cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", str(n), "--on-failure", "continue"]
+        cmd += ["--master_port", str(_port()), str(program)]
+        proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        events: dict[int, dict[str, dict]] = {}
+        killed_at, deadline = None, time.monotonic() + timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = _EVENT.match(line.strip())
+            if m is not None:
+                e = json.loads(m.group(2))
+                events.setdefault(int(m.group(1)), {})[e["what"]] = e
+            ready = [r for r in events if "ready" in events[r]]
+            if killed_at is None and len(ready) == n:
+                time.sleep(0.2)
+                os.kill(events[victim]["ready"]["pid"], signal.SIGKILL)
+                killed_at = time.time()
+            if time.monotonic() > deadline:
+                proc.kill()
+                break
+        proc.wait()
+    if killed_at is None:
+        return None
+    survivors = [e for r, e in events.items() if r != victim]
+    if not all("done" in e and e["done"]["right"] == 21 for e in survivors):
+        return None
+    return {step: max(e[step]["t"] - killed_at for e in survivors) for step in ("raised", "shrunk", "first")}
+
+
+def _median(runs: list[dict[str, float]], step: str) -> float:
+    return statistics.median(r[step] for r in runs)
+
+
+def part1(ranks: list[int], runs: int) -> None:
+    print(f"# a rank of N SIGKILLed in an all_reduce loop: seconds after the kill, slowest survivor, median of {runs}")
+    print(f"{'ranks':>6} {'detection':>10} {'agreement':>10} {'first good':>11}  runs")
+    for n in ranks:
+        done = [r for r in (one_kill(n) for _ in range(runs)) if r is not None]
+        if not done:
+            print(f"{n:>6}  (no run recovered)")
+            continue
+        cells = " ".join(f"{_median(done, s):>10.3f}" for s in ("raised", "shrunk"))
+        print(f"{n:>6} {cells} {_median(done, 'first'):>11.3f}  {len(done)}/{runs}", flush=True)
+
+
+def _results(out: str) -> list[dict]:
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+
+
+def train(launcher: str, steps: int, kill_at: int, admit_from: int) -> dict | None:
+    """One run of the example: wall seconds, the final loss, whether every rank's weights agree."""
+    args = ["--steps", str(steps), "--kill-at", str(kill_at), "--admit-from", str(admit_from)]
+    with tempfile.TemporaryDirectory() as tmp:
+        if launcher == "commlib":
+            cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "4", "--on-failure", "replace"]
+            cmd += ["--master_port", str(_port()), str(EXAMPLE), *args]
+        else:
+            torchrun = shutil.which("torchrun")
+            if torchrun is None:
+                return None
+            cmd = [torchrun, "--nproc_per_node", "4", "--max-restarts", "2", "--master_port", str(_port())]
+            cmd += [str(EXAMPLE), *args, "--recover", "restart", "--snapshot", f"{tmp}/snapshot.pt"]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
+        seconds = time.monotonic() - start
+    results = _results(proc.stdout)
+    if proc.returncode != 0 or not results:
+        print(f"# {launcher} run failed (exit {proc.returncode}): {proc.stderr[-800:]}", file=sys.stderr)
+        return None
+    final = max(results, key=lambda r: r["world_size"])  # the last world's ranks
+    last = [r for r in results if r["world_size"] == final["world_size"]]
+    return {"seconds": seconds, "loss": final["loss"], "same": len({r["checksum"] for r in last}) == 1}
+
+
+def part2(steps: int, kill_at: int, admit_from: int, launchers: tuple[str, ...] = ("commlib", "torchrun")) -> None:
+    print(f"# training, 4 ranks, {steps} steps: rank 2 killed at step {kill_at}; wall seconds")
+    print(f"{'run':<34} {'wall':>7} {'lost':>7} {'loss':>9}  same weights")
+    lost = {}
+    names = {"commlib": "commlib shrink + replacement", "torchrun": "torchrun restart (snapshots)"}
+    for launcher, name in ((x, names[x]) for x in launchers):
+        clean = train(launcher, steps, -1, admit_from)
+        hit = train(launcher, steps, kill_at, admit_from)
+        if clean is None or hit is None:
+            print(f"{name:<34} (failed)")
+            continue
+        lost[launcher] = hit["seconds"] - clean["seconds"]
+        for label, r in (("uninterrupted", clean), ("killed", hit)):
+            extra = f"{lost[launcher]:>7.2f}" if label == "killed" else f"{'-':>7}"
+            same = "yes" if r["same"] else "NO"
+            print(f"{name + ', ' + label:<34} {r['seconds']:>7.2f} {extra} {r['loss']:>9.4f}  {same}", flush=True)
+        print(f"# {name}: final loss killed/uninterrupted = {hit['loss'] / clean['loss']:.3f}x")
+    if len(lost) == 2:
+        ratio = lost["torchrun"] / max(lost["commlib"], 1e-3)
+        print(f"# time lost: torchrun restart / commlib = {ratio:.1f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--no-training", action="store_true", help="part 1 only")
+    p.add_argument("--smoke", action="store_true", help="CI: 3 ranks once, 30 steps (kill at 10, newcomers from 20)")
+    args = p.parse_args()
+    if args.smoke:
+        part1([3], 1)
+        part2(30, 10, 20, ("commlib",))  # torchrun's restarts: the full run only (4 workers importing torch, twice)
+        return
+    part1(args.ranks, args.runs)
+    if not args.no_training:
+        part2(args.steps, 50, 100)
+
+
+if __name__ == "__main__":
+    main()
