@@ -185,13 +185,14 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
 
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, forward)
-        code, failure = supervise(proc, Path(status), args.nproc_per_node)
+        n = args.nproc_per_node
+        code, failure = supervise(proc, Path(status), range(args.node_rank * n, args.node_rank * n + n))
         if store is not None:
             store.close()
         if monitor is not None:
             monitor.stop()
     if failure is not None:
-        rank, rank_code, why = failure
+        rank, why = failure.rank, failure.why
         where = Path(args.logdir or "log") / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
         who = "one of the " + why.split(" were", 1)[0] if why.startswith("ranks [") else f"rank {rank}"
         print(
@@ -200,7 +201,7 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
             flush=True,
         )
         _print_flight_summary(flight, args, started_ns)
-        return rank_code or _status(code) or 1
+        return failure.code or _status(code) or 1
     if code == 0:
         _forget_exit_dumps(flight, started_ns)
     return _status(code)
