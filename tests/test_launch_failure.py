@@ -1,5 +1,8 @@
-"""``commlib.launch --on-failure abort`` (the default) names the rank that died first, even when the launcher wakes
-after every rank is gone. Real launchers and real processes."""
+"""``commlib.launch --on-failure``: abort names the rank that died first, even when the launcher wakes after every
+rank is gone; continue keeps the others running and exits 0 once they finish; replace starts a process that
+takes the rank over (COMMLIB_JOIN=1, COMMLIB_REPLACES=<rank>, its output prefixed with the rank), at most
+--max_replacements times; Ctrl-C, SIGTERM or the launcher's death leave no worker behind. Real launchers and
+real processes; the workers are plain Python loops unless the test is about commlib's own rendezvous."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from jobs import ROOT, clean_env
+from ports import free_port
 
 # Each worker notes its pid (``<tag>.pid``, tag rank<r> or rank<r>.replaces<r>) once it runs, then waits for the
 # file ``done`` (or, with a second argument, exits with that code at once); a third argument starts a child
@@ -73,6 +77,13 @@ class _Launcher:
         for reader in self.readers:
             reader.join(10)
         return "".join(self.out), "".join(self.err)
+
+
+def _launch(tmp_path: Path, n: int, flags: list[str], *args: str) -> _Launcher:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", str(n), "--master_port", str(free_port())]
+    return _Launcher([*cmd, *flags, str(script), str(tmp_path), *args])
 
 
 def _pid(tmp_path: Path, tag: str, launcher: _Launcher, timeout: float = 30) -> int:
@@ -212,3 +223,148 @@ def test_the_first_failure_is_decided_from_notes_and_the_kernel_s_order(
         _note(tmp_path, rank, text, age, after)
     found = _first_failure(tmp_path, range(4), _Seen(*seen))  # type: ignore[arg-type]
     assert found == (None if named is None else Failure(*named))
+
+
+def test_continue_keeps_the_others_running(tmp_path: Path) -> None:
+    """Rank 2 of 4 is SIGKILLed: the launcher says so in one line, the other three run on, finish, and the job
+    exits 0; every line of theirs came through with its rank's prefix."""
+    launcher = _launch(tmp_path, 4, ["--on-failure", "continue"])
+    pids = [_pid(tmp_path, f"rank{r}", launcher) for r in range(4)]
+    os.kill(pids[2], signal.SIGKILL)
+    line = launcher.line("rank 2 failed")
+    assert line.strip() == (
+        "commlib.launch: rank 2 failed (killed by SIGKILL, signal 9); log: output above; "
+        "the job continues with 3 of 4 workers"
+    )
+    _wait_ended(pids[2:3])
+    assert not any(_ended(p) for p in pids[:2] + pids[3:])  # the others still run
+    (tmp_path / "done").touch()
+    out, err = launcher.finish()
+    assert launcher.proc.returncode == 0, err
+    assert sorted(out.splitlines()) == sorted(
+        [f"[{r}] started rank{r} join=- replaces=- omp=1" for r in range(4)]
+        + [f"[{r}] finished rank{r}" for r in (0, 1, 3)]
+    ), out
+    assert err.strip().splitlines()[-1] == "commlib.launch: the job completed despite the failure of rank 2", err
+
+
+def test_continue_exits_non_zero_when_every_worker_fails(tmp_path: Path) -> None:
+    """Every worker exits 3 at once: the job's exit code is the first failure's."""
+    launcher = _launch(tmp_path, 2, ["--on-failure", "continue"], "3")
+    _, err = launcher.finish()
+    assert launcher.proc.returncode == 3, err
+    assert "; the job continues with 1 of 2 workers" in err and "; no worker is left" in err, err
+    assert "commlib.launch: every worker failed; the job exits 3, as the first failure did (rank " in err, err
+
+
+def test_replace_starts_a_process_that_takes_the_rank_over(tmp_path: Path) -> None:
+    """Rank 2 is SIGKILLed: its replacement gets COMMLIB_JOIN=1 and COMMLIB_REPLACES=2 and speaks as [2]; killed
+    too, it is not replaced again (--max_replacements 1), and the job still completes."""
+    marker = f"outlives-{tmp_path.name}"
+    launcher = _launch(tmp_path, 4, ["--on-failure", "replace", "--max_replacements", "1"], "-", marker)
+    pids = [_pid(tmp_path, f"rank{r}", launcher) for r in range(4)]
+    os.kill(pids[2], signal.SIGKILL)
+    started = launcher.line("rank 2 failed")
+    assert started.strip().endswith("; starting replacement 1 of 1 for rank 2"), started
+    replacement = _pid(tmp_path, "rank2.replaces2", launcher)
+    os.kill(replacement, signal.SIGKILL)
+    line = launcher.line("rank 2 (replacement 1) failed")
+    assert line.strip() == (
+        "commlib.launch: rank 2 (replacement 1) failed (killed by SIGKILL, signal 9); log: output above; "
+        "not replaced: rank 2 was replaced 1 time already (--max_replacements 1); the job continues with 3 of 4 workers"
+    )
+    (tmp_path / "done").touch()
+    out, err = launcher.finish()
+    assert launcher.proc.returncode == 0, err
+    assert "[2] started rank2.replaces2 join=1 replaces=2 omp=1" in out.splitlines(), out
+    assert _left_behind(marker) == []  # what the dead workers started died with them
+
+
+def test_replace_writes_a_replacement_s_output_to_a_file_of_its_own(tmp_path: Path) -> None:
+    logdir = tmp_path / "logs"
+    flags = ["--on-failure", "replace", "--redirect_stdout_and_stderr", "--logdir", str(logdir)]
+    launcher = _launch(tmp_path, 2, flags)
+    pids = [_pid(tmp_path, f"rank{r}", launcher) for r in range(2)]
+    os.kill(pids[1], signal.SIGKILL)
+    line = launcher.line("rank 1 failed")
+    assert f"; log: {logdir / 'rank1.stderr'}; starting replacement 1 of 3 for rank 1" in line, line
+    _pid(tmp_path, "rank1.replaces1", launcher)
+    (tmp_path / "done").touch()
+    _, err = launcher.finish()
+    assert launcher.proc.returncode == 0, err
+    assert (logdir / "rank1.replacement1.stdout").read_text().splitlines() == [
+        "started rank1.replaces1 join=1 replaces=1 omp=1",
+        "finished rank1.replaces1",
+    ]
+    assert (logdir / "rank0.stdout").read_text().splitlines()[-1] == "finished rank0"
+
+
+@pytest.mark.parametrize(("mode", "how"), [("continue", "SIGINT"), ("continue", "SIGTERM"), ("continue", "SIGKILL")])
+def test_stopping_the_launcher_stops_every_worker(mode: str, how: str, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM to the launcher in continue mode: every worker and what it started is stopped,
+    exit code 128 + N. SIGKILL: the workers die with it (PR_SET_PDEATHSIG)."""
+    marker = f"outlives-{tmp_path.name}"
+    launcher = _launch(tmp_path, 3, ["--on-failure", mode], "-", *([marker] if how != "SIGKILL" else []))
+    pids = [_pid(tmp_path, f"rank{r}", launcher) for r in range(3)]
+    launcher.proc.send_signal(getattr(signal, how))
+    _, err = launcher.finish(timeout=30)
+    assert launcher.proc.returncode == (-9 if how == "SIGKILL" else 128 + getattr(signal, how)), err
+    if how != "SIGKILL":
+        assert f"commlib.launch: {how}: stopping every worker" in err, err
+    _wait_ended(pids, timeout=10)
+    assert _left_behind(str(tmp_path / "worker.py")) == []
+    assert _left_behind(marker) == []
+
+
+def test_flags_are_checked_and_explained() -> None:
+    def launch(*flags: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "commlib.launch", *flags]
+        return subprocess.run(cmd, cwd=ROOT, env=clean_env(), text=True, capture_output=True, timeout=60)
+
+    shown = " ".join(launch("--help").stdout.split())
+    for text in (
+        "--on-failure MODE, --on_failure MODE what a worker's failure does, one of abort, continue, replace",
+        "COMMLIB_REPLACES=<rank>",
+        "(default: abort)",
+        "(default: 3)",
+    ):
+        assert text in shown, (text, shown)
+    wrong = launch("--max_replacements", "2", "--on-failure", "continue", "x.py")
+    assert wrong.returncode == 2
+    assert "error: --max_replacements counts the replacements of --on-failure replace, not continue" in wrong.stderr
+
+
+COLLECTIVES = """
+import numpy as np, commlib as dist
+dist.init_process_group()
+n, me = dist.get_world_size(), dist.get_rank()
+x = np.full(3, me + 1.0)
+for _ in range(3):
+    dist.all_reduce(x)
+print(f"rank {me} of {n}: {x.tolist()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(1, 2), (1, 4), (2, 2)])
+def test_commlib_workers_meet_through_the_launcher_s_store(nodes: int, per_node: int, tmp_path: Path) -> None:
+    """Plain workers running commlib's collectives: each is its own MPI world until commlib joins them through
+    the store the launcher (of node 0) serves; with two launchers on one host, each supervises its own."""
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES)
+    port, n = free_port(), nodes * per_node
+    launchers = [
+        _Launcher(
+            [sys.executable, "-m", "commlib.launch", "--on-failure", "continue", "--nnodes", str(nodes),
+             "--node_rank", str(node), "--nproc_per_node", str(per_node), "--master_port", str(port), str(script)],
+            COMMLIB_STORE_TOKEN="shared",
+        )
+        for node in range(nodes)
+    ]  # fmt: skip
+    outs = [launcher.finish(timeout=120) for launcher in launchers]
+    for launcher, (_, err) in zip(launchers, outs, strict=True):
+        assert launcher.proc.returncode == 0, err[-3000:]
+    total = float(sum(range(1, n + 1)) * n**2)  # three all_reduces of rank + 1
+    lines = sorted(line for out, _ in outs for line in out.splitlines())
+    assert lines == sorted(f"[{r}] rank {r} of {n}: {[total] * 3}" for r in range(n)), outs
+    assert _left_behind(str(script)) == []

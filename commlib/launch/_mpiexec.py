@@ -176,8 +176,8 @@ def kill_group_or_process(pid: int) -> None:
     send_signal(pid, signal.SIGKILL)
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A Popen preexec_fn making Linux SIGTERM the child when we die (hydra then cleans up)."""
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A Popen preexec_fn making Linux send the child ``signum`` when we die (SIGTERM: hydra then cleans up)."""
     # Covers deaths that skip any cleanup code: SIGKILL, os._exit. Linux sends the
     # signal when the *thread* that forked exits, so that thread must outlive the job.
     if not sys.platform.startswith("linux"):
@@ -188,4 +188,4 @@ def die_with_parent() -> Callable[[], None] | None:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 == PR_SET_PDEATHSIG
+    return lambda: prctl(1, signum)  # 1 == PR_SET_PDEATHSIG
