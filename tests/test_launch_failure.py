@@ -299,10 +299,12 @@ def test_replace_writes_a_replacement_s_output_to_a_file_of_its_own(tmp_path: Pa
     assert (logdir / "rank0.stdout").read_text().splitlines()[-1] == "finished rank0"
 
 
-@pytest.mark.parametrize(("mode", "how"), [("continue", "SIGINT"), ("continue", "SIGTERM"), ("continue", "SIGKILL")])
+@pytest.mark.parametrize(
+    ("mode", "how"), [("continue", "SIGINT"), ("continue", "SIGTERM"), ("continue", "SIGKILL"), ("abort", "SIGKILL")]
+)
 def test_stopping_the_launcher_stops_every_worker(mode: str, how: str, tmp_path: Path) -> None:
     """Ctrl-C (SIGINT) or SIGTERM to the launcher in continue mode: every worker and what it started is stopped,
-    exit code 128 + N. SIGKILL: the workers die with it (PR_SET_PDEATHSIG)."""
+    exit code 128 + N. SIGKILL: the workers die with it (PR_SET_PDEATHSIG; under mpiexec, hydra stops them)."""
     marker = f"outlives-{tmp_path.name}"
     launcher = _launch(tmp_path, 3, ["--on-failure", mode], "-", *([marker] if how != "SIGKILL" else []))
     pids = [_pid(tmp_path, f"rank{r}", launcher) for r in range(3)]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commlib._settings import value as setting
-from commlib.launch._mpiexec import find_mpiexec
+from commlib.launch._mpiexec import die_with_parent, find_mpiexec
 from commlib.launch._supervise import supervise
 
 if TYPE_CHECKING:  # the store is imported only by the jobs that use one
@@ -248,7 +248,7 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
 def _under_mpiexec(args: argparse.Namespace, env: dict[str, str], status: Path, stopped: list[int]) -> tuple[int, bool]:
     """Run the workers under mpiexec, stopping them all when one fails; return the exit code and whether a
     worker failed (then named)."""
-    proc = subprocess.Popen(build_command(args), env=env)
+    proc = subprocess.Popen(build_command(args), env=env, preexec_fn=die_with_parent())  # SIGTERM: hydra cleans up
 
     def forward(signum: int, _frame: object) -> None:
         stopped.append(signum)
