@@ -257,6 +257,33 @@ def test_continue_exits_non_zero_when_every_worker_fails(tmp_path: Path) -> None
     assert "commlib.launch: every worker failed; the job exits 3, as the first failure did (rank " in err, err
 
 
+LATE_FAILURE = """
+import os, sys, time
+folder, rank = sys.argv[1], os.environ["RANK"]
+if rank == "0":
+    open(f"{folder}/rank0.pid", "w").write(str(os.getpid()))
+    sys.exit(0)
+while not os.path.exists(f"{folder}/rank0.pid"):
+    time.sleep(0.01)
+pid = open(f"{folder}/rank0.pid").read()
+while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+def test_continue_fails_when_a_worker_fails_after_another_finished(tmp_path: Path) -> None:
+    """Rank 0 finishes, then rank 1 exits 3: the job was ending, so its failure is the job's (exit 3)."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_FAILURE)
+    cmd = [sys.executable, "-m", "commlib.launch", "--on-failure", "continue", "--nproc_per_node", "2"]
+    launcher = _Launcher([*cmd, "--master_port", str(free_port()), str(script), str(tmp_path)])
+    _, err = launcher.finish()
+    assert launcher.proc.returncode == 3, err
+    said = "rank 1 failed (exit code 3: sys.exit(3)); log: output above; no worker is left: the job exits 3"
+    assert err.strip().splitlines()[-1] == f"commlib.launch: {said}", err
+
+
 def test_replace_starts_a_process_that_takes_the_rank_over(tmp_path: Path) -> None:
     """Rank 2 is SIGKILLed: its replacement gets COMMLIB_JOIN=1 and COMMLIB_REPLACES=2 and speaks as [2]; killed
     too, it is not replaced again (--max_replacements 1), and the job still completes."""

@@ -43,7 +43,7 @@ _NOT_MPI_LAUNCHED = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_")  # an oute
 
 def run_workers(args: argparse.Namespace, env: dict[str, str], status: Path, stopped: list[int]) -> tuple[int, bool]:
     """Run this node's workers as plain processes until every one has ended; return the job's exit code and
-    whether it failed (not stopped)."""
+    whether every worker failed (not stopped)."""
 
     def stop(signum: int, _frame: object) -> None:
         stopped.append(signum)
@@ -213,7 +213,12 @@ class _Job:
         status = _status(code)
         if self.finished:  # the job was ending: this failure is the job's
             self.code = status if self.code is None else self.code
-            self._say(f"{said}; the job continues with {self._count()} and will exit {self.code}")
+            left = (
+                f"the job continues with {self._count()} and will exit"
+                if self.live
+                else "no worker is left: the job exits"
+            )
+            self._say(f"{said}; {left} {self.code}")
             return
         self.losses.append((worker.rank, status))
         if self.args.on_failure == "replace":
@@ -234,10 +239,11 @@ class _Job:
             self._say(f"{said}; no worker is left")
 
     def _outcome(self) -> tuple[int, bool]:
-        """The job's exit code once every worker ended, and whether it failed."""
+        """The job's exit code once every worker ended, and whether every worker failed (then the flight
+        recorder's summary is printed: after a recovery, the survivors' records would tell of calls they left)."""
         lost = sorted({rank for rank, _ in self.losses})
         if self.code is not None:
-            return self.code, True
+            return self.code, False
         if self.finished:
             if lost:
                 self._say(f"the job completed despite the failure of rank{'s' * (len(lost) > 1)} {_list(lost)}")
