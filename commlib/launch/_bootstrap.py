@@ -77,6 +77,32 @@ def _record(name: str, text: str) -> None:
         tmp.replace(path)
 
 
+def _record_ended_before() -> None:
+    """Before a failure's note: the other ranks of this node already on their way out (killed, or ended with
+    no note of success), as the kernel shows them now. This failure came after theirs, likely because of
+    them (a peer that vanished mid-call), so the launcher names theirs."""
+    folder = setting("COMMLIB_LAUNCH_STATUS")
+    if not folder:
+        return
+    from commlib.launch._mpiexec import pid_ending  # only on the way out
+
+    ended = []
+    for note in Path(folder).glob("rank*.pid"):
+        rank = note.name[len("rank") : -len(".pid")]
+        try:
+            finished = note.with_suffix(".exit").read_text().startswith("0 ")
+        except OSError:
+            finished = False
+        if rank.isdigit() and rank != os.environ.get("RANK") and not finished:
+            try:
+                if pid_ending(int(note.read_text())):
+                    ended.append(rank)
+            except (OSError, ValueError):
+                continue
+    if ended:
+        _record("after", " ".join(sorted(ended, key=int)))
+
+
 def main(argv: list[str]) -> None:
     """Run ``argv`` as ``__main__`` and tell the launcher how it ended."""
     _record("pid", str(os.getpid()))
@@ -84,9 +110,12 @@ def main(argv: list[str]) -> None:
         _run(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code:
+            _record_ended_before()
         _record("exit", f"{code} sys.exit({e.code!r})")
         raise
     except BaseException as e:
+        _record_ended_before()
         _record("exit", f"1 {type(e).__name__}: {e}")
         raise
     _record("exit", "0 finished")

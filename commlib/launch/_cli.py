@@ -1,4 +1,5 @@
-"""The launcher's command line and its job: parse the flags, build the mpiexec command, run and restart."""
+"""The launcher's command line and its job: parse the flags, build the mpiexec command, run (under mpiexec, or as
+plain workers for ``--on-failure continue``/``replace``) and restart."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commlib._settings import value as setting
-from commlib.launch._mpiexec import find_mpiexec
+from commlib.launch._mpiexec import die_with_parent, find_mpiexec
 from commlib.launch._supervise import supervise
 
 if TYPE_CHECKING:  # the store is imported only by the jobs that use one
     from commlib.store import TCPStore
     from commlib.store._server import StoreServer
 
-__all__ = ["build_command", "main", "parse_args"]
+__all__ = ["ON_FAILURE", "build_command", "main", "parse_args", "program", "rank_variables"]
+
+ON_FAILURE = ("abort", "continue", "replace")  # --on-failure's choices
+_MAX_REPLACEMENTS = 3
 
 
 def _nproc(value: str) -> int:
@@ -49,9 +53,17 @@ examples:
   python -m commlib.launch --nproc_per_node 2 -m commlib.demo
   python -m commlib.launch --nnodes 2 --node_rank 0 --master_addr 10.0.0.1 --nproc_per_node 4 train.py  # on node 0
   python -m commlib.launch --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 --nproc_per_node 4 train.py  # on node 1
+  python -m commlib.launch --nproc_per_node 4 --on-failure replace --max_replacements 2 train.py
 
 each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK (= GROUP_RANK), NNODES,
 MASTER_ADDR and MASTER_PORT (torchrun's variables); init_process_group() reads them.
+
+--on-failure: abort stops every worker when one fails and names the rank that failed first (exit code: its
+own, or mpiexec's). continue and replace print one line per failure and go on; the job exits 0 when every
+worker still running once one had finished exited 0, else with the first of those that failed (when no
+worker finished: the first failure's code; 128 + N for signal N). A replacement runs the dead worker's
+command with its environment plus COMMLIB_JOIN=1 and COMMLIB_REPLACES=<rank>, its lines prefixed with that
+rank. These modes are commlib.launch's; under torchrun, torch's agent restarts every worker (--max-restarts).
 """
 
 
@@ -94,7 +106,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max_restarts",
         type=int,
         default=0,
-        help="restart every worker up to N times after a failure (default: %(default)s)",
+        help="restart every worker up to N times after the job failed (with --on-failure continue or replace: "
+        "when every worker failed, or one that outlived the failures did) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--on-failure",
+        "--on_failure",
+        dest="on_failure",
+        choices=ON_FAILURE,
+        default="abort",
+        metavar="MODE",
+        help="what a worker's failure does, one of abort, continue, replace: abort stops the job and names the "
+        "rank that failed first; continue names it and the others run on; replace also starts a process that "
+        "takes its rank over (same command and environment, plus COMMLIB_JOIN=1 and COMMLIB_REPLACES=<rank>). "
+        "With continue and replace the workers are plain processes (no mpiexec) that meet through the store "
+        "this launcher serves at --master_addr:--master_port (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-replacements",
+        "--max_replacements",
+        dest="max_replacements",
+        type=int,
+        metavar="N",
+        default=None,
+        help=f"with --on-failure replace: replace each rank at most N times (default: {_MAX_REPLACEMENTS})",
     )
     p.add_argument("training_script", help="the script (or module with -m, or program with --no_python)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -103,6 +138,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--node_rank must be in [0, --nnodes={args.nnodes}), got {args.node_rank}")
     if args.max_restarts < 0:
         p.error(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    if args.max_replacements is not None and args.on_failure != "replace":
+        p.error(f"--max_replacements counts the replacements of --on-failure replace, not {args.on_failure}")
+    if args.max_replacements is None:
+        args.max_replacements = _MAX_REPLACEMENTS
+    if args.max_replacements < 0:
+        p.error(f"--max_replacements must be >= 0, got {args.max_replacements}")
     if args.max_restarts and args.nnodes != 1:
         p.error("--max_restarts restarts a single-node job; across nodes, restart the launchers together")
     if args.standalone and args.nnodes != 1:
@@ -114,7 +155,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _program(args: argparse.Namespace) -> list[str]:
+def program(args: argparse.Namespace) -> list[str]:
+    """The command every worker runs: the bootstrap and the script (or module), or the program itself."""
     if args.no_python:
         return [args.training_script, *args.training_script_args]
     boot = [sys.executable, "-m", "commlib.launch._bootstrap"]
@@ -125,7 +167,6 @@ def _program(args: argparse.Namespace) -> list[str]:
 
 def build_command(args: argparse.Namespace) -> list[str]:
     """The mpiexec command line: one MPMD segment per rank, each with its own environment."""
-    n, node = args.nproc_per_node, args.node_rank
     cmd = [find_mpiexec()]
     if args.redirect_stdout_and_stderr:
         log = Path(args.logdir or "log").resolve()
@@ -133,7 +174,22 @@ def build_command(args: argparse.Namespace) -> list[str]:
         cmd += ["-outfile-pattern", str(log / "rank%r.stdout"), "-errfile-pattern", str(log / "rank%r.stderr")]
     else:
         cmd += ["-prepend-rank"]
-    common = {
+    for rank in range(args.nproc_per_node):
+        if rank:
+            cmd.append(":")
+        cmd += ["-n", "1"]
+        for name, value in rank_variables(args, rank).items():
+            cmd += ["-env", name, value]
+        cmd += program(args)
+    return cmd
+
+
+def rank_variables(args: argparse.Namespace, local_rank: int) -> dict[str, str]:
+    """torchrun's variables for this node's worker ``local_rank``."""
+    n, node = args.nproc_per_node, args.node_rank
+    place = {
+        "RANK": node * n + local_rank,
+        "LOCAL_RANK": local_rank,
         "WORLD_SIZE": n * args.nnodes,
         "LOCAL_WORLD_SIZE": n,
         "NODE_RANK": node,
@@ -142,14 +198,7 @@ def build_command(args: argparse.Namespace) -> list[str]:
         "MASTER_ADDR": args.master_addr,
         "MASTER_PORT": args.master_port,
     }
-    for rank in range(n):
-        if rank:
-            cmd.append(":")
-        cmd += ["-n", "1"]
-        for name, value in {**common, "RANK": node * n + rank, "LOCAL_RANK": rank}.items():
-            cmd += ["-env", name, str(value)]
-        cmd += _program(args)
-    return cmd
+    return {name: str(value) for name, value in place.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,35 +224,53 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         env = dict(os.environ, COMMLIB_LAUNCH_STATUS=status)
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
-        store = _serve_store(args)  # several nodes: node 0 serves the rendezvous store for the job
+        store = _serve_store(args, env)  # node 0 of several, or plain workers: the launcher serves the job's store
         monitor, flight = _monitor_env(args, env)
-        proc = subprocess.Popen(build_command(args), env=env)
+        try:
+            if args.on_failure == "abort":
+                code, failed = _under_mpiexec(args, env, Path(status), stopped)
+            else:
+                from commlib.launch._workers import run_workers
 
-        def forward(signum: int, _frame: object) -> None:
-            stopped.append(signum)
-            proc.send_signal(signal.SIGTERM)  # hydra stops every rank on SIGTERM
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, forward)
-        code, failure = supervise(proc, Path(status), args.nproc_per_node)
-        if store is not None:
-            store.close()
-        if monitor is not None:
-            monitor.stop()
-    if failure is not None:
-        rank, rank_code, why = failure
-        where = Path(args.logdir or "log") / f"rank{rank}.stderr" if args.redirect_stdout_and_stderr else "output above"
-        who = "one of the " + why.split(" were", 1)[0] if why.startswith("ranks [") else f"rank {rank}"
-        print(
-            f"commlib.launch: {who} failed ({why}); log: {where}; the job was stopped",
-            file=sys.stderr,
-            flush=True,
-        )
+                code, failed = run_workers(args, env, Path(status), stopped)
+        finally:
+            if store is not None:
+                store.close()
+            if monitor is not None:
+                monitor.stop()
+    if failed:
         _print_flight_summary(flight, args, started_ns)
-        return rank_code or _status(code) or 1
-    if code == 0:
+    elif code == 0:
         _forget_exit_dumps(flight, started_ns)
-    return _status(code)
+    return code
+
+
+def _under_mpiexec(args: argparse.Namespace, env: dict[str, str], status: Path, stopped: list[int]) -> tuple[int, bool]:
+    """Run the workers under mpiexec, stopping them all when one fails; return the exit code and whether a
+    worker failed (then named)."""
+    proc = subprocess.Popen(build_command(args), env=env, preexec_fn=die_with_parent())  # SIGTERM: hydra cleans up
+
+    def forward(signum: int, _frame: object) -> None:
+        stopped.append(signum)
+        proc.send_signal(signal.SIGTERM)  # hydra stops every rank on SIGTERM
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    n = args.nproc_per_node
+    code, failure = supervise(proc, status, range(args.node_rank * n, args.node_rank * n + n))
+    if failure is None:
+        return _status(code), False
+    where = log_path(args, f"rank{failure.rank}.stderr")
+    tie = failure.why.startswith("ranks [")
+    who = "one of the " + failure.why.split(" were", 1)[0] if tie else f"rank {failure.rank}"
+    said = f"commlib.launch: {who} failed ({failure.why}); log: {where}; the job was stopped"
+    print(said, file=sys.stderr, flush=True)
+    return failure.code or _status(code) or 1, True
+
+
+def log_path(args: argparse.Namespace, name: str) -> str:
+    """Where the output file ``name`` of a worker is (with --redirect_stdout_and_stderr), else "output above"."""
+    return str(Path(args.logdir or "log") / name) if args.redirect_stdout_and_stderr else "output above"
 
 
 def _forget_exit_dumps(folder: Path, since_ns: int) -> None:
@@ -274,11 +341,26 @@ def _print_flight_summary(folder: Path, args: argparse.Namespace, since_ns: int)
     print(f"commlib.launch: flight recorder ({folder}):\n" + "\n".join(lines), file=sys.stderr, flush=True)
 
 
-def _serve_store(args: argparse.Namespace) -> TCPStore | None:
-    """On node 0 of a multi-node job, serve the TCP store the nodes rendezvous through."""
-    if args.nnodes == 1 or args.node_rank != 0:
+def _serve_store(args: argparse.Namespace, env: dict[str, str]) -> TCPStore | None:
+    """Serve the job's rendezvous store at --master_addr:--master_port where this launcher is the one to: on node 0
+    of a multi-node job (the nodes meet through it), and on node 0 of plain workers (--on-failure continue or
+    replace: the store outlives any worker, so rank 0 connects to it rather than serving it)."""
+    plain = args.on_failure != "abort"
+    token = setting("COMMLIB_STORE_TOKEN") or None
+    if plain:
+        env["COMMLIB_STORE_SERVED"] = "1"
+        if args.nnodes == 1 and token is None:
+            import secrets
+
+            token = env["COMMLIB_STORE_TOKEN"] = secrets.token_hex(16)  # the job's own: strangers are refused
+    if args.node_rank != 0 or not (plain or args.nnodes > 1):
         return None
     from commlib.store import TCPStore
 
-    token = setting("COMMLIB_STORE_TOKEN") or None
-    return TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False, token=token)
+    try:
+        return TCPStore(args.master_addr, args.master_port, is_master=True, wait_for_workers=False, token=token)
+    except RuntimeError as e:  # CommError: the port is taken, or the address is not this host's
+        raise SystemExit(
+            f"commlib.launch: cannot serve the job's rendezvous store at {args.master_addr}:{args.master_port} "
+            f"({e.__cause__ or e}); give a free port with --master_port"
+        ) from None

@@ -1,4 +1,4 @@
-"""Locate the MPICH wheel's ``mpiexec``, build hydra command lines, control hydra jobs.
+"""Locate the MPICH wheel's ``mpiexec``, build hydra command lines, control hydra jobs, tell how a process ended.
 
 Hydra facts the job-control helpers rely on: the proxy (hydra_pmi_proxy) and every
 rank call setsid(), so none of them is in mpiexec's process group; killing that
@@ -7,9 +7,11 @@ group orphans them. Their pids are found through /proc instead.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
+import struct
 import sys
 import sysconfig
 from collections.abc import Callable, Sequence
@@ -91,6 +93,53 @@ def pid_alive(pid: int) -> bool:
     return fields[0] not in (b"Z", b"X")
 
 
+_PF_EXITING = 0x4  # /proc/<pid>/stat's flags: the kernel is tearing the process down (set first thing in do_exit)
+
+
+def pid_ending(pid: int) -> bool:
+    """Whether ``pid`` is gone, a zombie, or on its way out (killed, or exiting, but not yet a zombie)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return os.path.isdir("/proc")
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+
+
+# struct pidfd_info (linux/pidfd.h): mask u64, cgroupid u64, 11 u32 ids, exit_code s32 at byte 60; 64 bytes
+_PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(PIDFS_IOCTL_MAGIC 0xFF, 11, struct pidfd_info)
+_PIDFD_INFO_EXIT = 0x8
+
+
+def exit_status(pidfd: int, pid: int) -> int | None:
+    """How the process behind ``pidfd`` ended, as ``Popen.returncode`` says it (-N: killed by signal N), for a
+    process this one is not the parent of; None while unknown.
+
+    Linux 6.15+ keeps the status with the pidfd once the parent has reaped the process; before that, or on
+    an older kernel, /proc shows it while the process is a zombie.
+    """
+    info = bytearray(64)
+    struct.pack_into("=Q", info, 0, _PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, info)
+        if struct.unpack_from("=Q", info, 0)[0] & _PIDFD_INFO_EXIT:
+            return os.waitstatus_to_exitcode(struct.unpack_from("=i", info, 60)[0])
+    except (OSError, ValueError):
+        pass  # no PIDFD_GET_INFO here (older kernel)
+    fields = _stat_fields(pid)
+    if fields is not None and fields[0] == b"Z" and len(fields) > 49:  # field 52, exit_code (Linux 3.5+)
+        return os.waitstatus_to_exitcode(int(fields[49]))
+    return None
+
+
+def describe_end(code: int) -> str:
+    """A process's end (a returncode: -N for signal N) in words: "exit code 3", "killed by SIGKILL, signal 9"."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}, signal {-code}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def process_tree(root: int) -> dict[int, int]:
     """pid -> parent pid of every process below ``root`` (Linux /proc; else empty)."""
     try:
@@ -127,8 +176,8 @@ def kill_group_or_process(pid: int) -> None:
     send_signal(pid, signal.SIGKILL)
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A Popen preexec_fn making Linux SIGTERM the child when we die (hydra then cleans up)."""
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A Popen preexec_fn making Linux send the child ``signum`` when we die (SIGTERM: hydra then cleans up)."""
     # Covers deaths that skip any cleanup code: SIGKILL, os._exit. Linux sends the
     # signal when the *thread* that forked exits, so that thread must outlive the job.
     if not sys.platform.startswith("linux"):
@@ -139,4 +188,4 @@ def die_with_parent() -> Callable[[], None] | None:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 == PR_SET_PDEATHSIG
+    return lambda: prctl(1, signum)  # 1 == PR_SET_PDEATHSIG
