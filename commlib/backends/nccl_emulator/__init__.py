@@ -29,29 +29,16 @@ reader threads would otherwise hold the other threads up to 5 ms a message).
 from __future__ import annotations
 
 import contextlib
-import operator
 import sys
 import threading
 import time
 
-import numpy as np
-
+from ._args import dtype_of, host, index, reduction, size_t, stream_of
 from ._comm import CommCore, split
 from ._errors import INVALID_ARGUMENT, NcclError, check_status, op_timeout
 from ._launch import group_end, group_start, submit
-from ._ops import (
-    DTYPES,
-    REDOPS,
-    AllGather,
-    AllReduce,
-    Broadcast,
-    Op,
-    PointToPoint,
-    Reduce,
-    ReduceScatter,
-    host_array,
-)
-from ._streams import Stream, cuda, resolve_stream
+from ._ops import AllGather, AllReduce, Broadcast, Op, PointToPoint, Reduce, ReduceScatter
+from ._streams import Stream, cuda
 from ._wire import bootstrap, connect_mesh, new_unique_id, open_listener
 
 __all__ = [
@@ -142,58 +129,13 @@ class NcclConfig:
         self.split_share = split_share
 
 
-def _index(value: object, name: str) -> int:
-    """An integer argument, converted like Cython does (TypeError for non-integers)."""
-    if type(value) is int:  # the common case, without a call
-        return value
-    try:
-        return operator.index(value)  # type: ignore[arg-type]  # what __index__ accepts is the point of the call
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-
-
-def _size_t(value: object, name: str) -> int:
-    number = _index(value, name)
-    if number < 0:
-        raise OverflowError(f"can't convert negative value to size_t ({name}={number})")
-    return number
-
-
-def _dtype(datatype: object) -> np.dtype:
-    dtype = DTYPES.get(_index(datatype, "datatype"))
-    if dtype is None:
-        raise NcclError(INVALID_ARGUMENT, f"datatype {datatype} is not an NCCL datatype")
-    return dtype
-
-
-def _redop(op: object) -> int:
-    code = _index(op, "op")
-    if code not in REDOPS:
-        raise NcclError(INVALID_ARGUMENT, f"op {op} is not an NCCL reduction")
-    return code
-
-
-def _stream(stream: object) -> Stream:
-    try:
-        return resolve_stream(_index(stream, "stream"))
-    except KeyError:
-        raise NcclError(INVALID_ARGUMENT, f"stream {stream:#x} is not a live emulated stream") from None
-
-
-def _host(ptr: object, count: int, dtype: np.dtype, name: str) -> np.ndarray:
-    address = _index(ptr, name)
-    if address == 0 and count > 0:
-        raise NcclError(INVALID_ARGUMENT, f"{name} is NULL")
-    return host_array(address, count, dtype)
-
-
 class NcclCommunicator:
     """An EMULATED NCCL communicator (cupy.cuda.nccl.NcclCommunicator's API) for host memory and TCP."""
 
     def __init__(self, ndev: int, commId: bytes, rank: int, config: NcclConfig | None = None) -> None:
         self._core: CommCore | None = None
         self._device = cuda.runtime.getDevice()
-        ndev, rank = _index(ndev, "ndev"), _index(rank, "rank")
+        ndev, rank = index(ndev, "ndev"), index(rank, "rank")
         if ndev < 1 or not 0 <= rank < ndev:
             raise NcclError(INVALID_ARGUMENT, f"rank {rank} is not in a world of ndev={ndev}")
         timeout = op_timeout()
@@ -300,7 +242,7 @@ class NcclCommunicator:
         submit(op, stream, op_timeout())
 
     def _root(self, core: CommCore, root: object, name: str = "root") -> int:
-        value = _index(root, name)
+        value = index(root, name)
         if not 0 <= value < core.size:
             raise NcclError(INVALID_ARGUMENT, f"{name} {value} is not a rank of a communicator of size {core.size}")
         return value
@@ -308,29 +250,29 @@ class NcclCommunicator:
     def _common(self, count: object, datatype: object, stream: object, name: str = "count") -> tuple:
         """Validate what every operation takes: (core, count, dtype, stream)."""
         core = self._usable()
-        return core, _size_t(count, name), _dtype(datatype), _stream(stream)
+        return core, size_t(count, name), dtype_of(datatype), stream_of(stream)
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
         """Enqueue ncclAllReduce on ``stream`` (in place when sendbuf == recvbuf)."""
         core, count, dtype, s = self._common(count, datatype, stream)
-        redop = _redop(op)
-        src, dst = _host(sendbuf, count, dtype, "sendbuf"), _host(recvbuf, count, dtype, "recvbuf")
+        redop = reduction(op)
+        src, dst = host(sendbuf, count, dtype, "sendbuf"), host(recvbuf, count, dtype, "recvbuf")
         self._submit(AllReduce(core, core.next_collective(), src, dst, redop), s)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int) -> None:
         """Enqueue ncclReduce on ``stream`` (recvbuf is written on ``root`` only)."""
         core, count, dtype, s = self._common(count, datatype, stream)
-        redop, root = _redop(op), self._root(core, root)
-        src = _host(sendbuf, count, dtype, "sendbuf")
-        dst = _host(recvbuf, count, dtype, "recvbuf") if core.rank == root else src
+        redop, root = reduction(op), self._root(core, root)
+        src = host(sendbuf, count, dtype, "sendbuf")
+        dst = host(recvbuf, count, dtype, "recvbuf") if core.rank == root else src
         self._submit(Reduce(core, core.next_collective(), src, dst, redop, root), s)
 
     def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int, stream: int) -> None:
         """Enqueue ncclBroadcast on ``stream`` (sendbuff is read on ``root`` only)."""
         core, count, dtype, s = self._common(count, datatype, stream)
         root = self._root(core, root)
-        dst = _host(recvbuff, count, dtype, "recvbuff")
-        src = _host(sendbuff, count, dtype, "sendbuff") if core.rank == root else dst
+        dst = host(recvbuff, count, dtype, "recvbuff")
+        src = host(sendbuff, count, dtype, "sendbuff") if core.rank == root else dst
         self._submit(Broadcast(core, core.next_collective(), src, dst, root), s)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
@@ -340,34 +282,34 @@ class NcclCommunicator:
     def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int) -> None:
         """Enqueue ncclReduceScatter on ``stream`` (sendbuf holds size() * recvcount elements)."""
         core, count, dtype, s = self._common(recvcount, datatype, stream, "recvcount")
-        redop = _redop(op)
-        src, dst = _host(sendbuf, count * core.size, dtype, "sendbuf"), _host(recvbuf, count, dtype, "recvbuf")
+        redop = reduction(op)
+        src, dst = host(sendbuf, count * core.size, dtype, "sendbuf"), host(recvbuf, count, dtype, "recvbuf")
         self._submit(ReduceScatter(core, core.next_collective(), src, dst, redop), s)
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
         """Enqueue ncclAllGather on ``stream`` (recvbuf holds size() * count elements)."""
         core, count, dtype, s = self._common(count, datatype, stream)
-        src, dst = _host(sendbuf, count, dtype, "sendbuf"), _host(recvbuf, count * core.size, dtype, "recvbuf")
+        src, dst = host(sendbuf, count, dtype, "sendbuf"), host(recvbuf, count * core.size, dtype, "recvbuf")
         self._submit(AllGather(core, core.next_collective(), src, dst), s)
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         """Enqueue ncclSend to ``peer`` on ``stream``."""
         core, count, dtype, s = self._common(count, datatype, stream)
         peer = self._root(core, peer, "peer")
-        src = _host(sendbuf, count, dtype, "sendbuf")
+        src = host(sendbuf, count, dtype, "sendbuf")
         self._submit(PointToPoint(core, core.next_p2p(peer, sending=True), src, peer, sending=True), s)
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         """Enqueue ncclRecv from ``peer`` on ``stream``."""
         core, count, dtype, s = self._common(count, datatype, stream)
         peer = self._root(core, peer, "peer")
-        dst = _host(recvbuf, count, dtype, "recvbuf")
+        dst = host(recvbuf, count, dtype, "recvbuf")
         self._submit(PointToPoint(core, core.next_p2p(peer, sending=False), dst, peer, sending=False), s)
 
     def commSplit(self, color: int, key: int, config: NcclConfig | None = None) -> NcclCommunicator | None:
         """Split collectively: ranks of equal ``color`` form a communicator ordered by (key, rank); -1 gets None."""
         core = self._usable()
-        color, key = _index(color, "color"), _index(key, "key")
+        color, key = index(color, "color"), index(key, "key")
         if color < _SPLIT_NOCOLOR:
             raise NcclError(INVALID_ARGUMENT, f"color must be >= 0 or NCCL_SPLIT_NOCOLOR (-1), got {color}")
         child = split(core, color, key, op_timeout())
