@@ -14,11 +14,25 @@ variable ``COMMLIB_NCCL_EMULATOR_TIMEOUT`` (seconds, default 300); a failed or
 timed-out operation breaks its communicator and is reported by
 ``check_async_error()``, like an NCCL async error.
 
+Failures. A rank whose process dies (its connections end without a goodbye)
+breaks, within milliseconds, every communicator it belongs to on every other
+rank: ``check_async_error()`` raises ``NCCL_ERROR_REMOTE_ERROR`` naming it
+("rank 2 of this communicator: connection closed (process died?)"), even when
+no operation is in flight; the operations pending on any stream fail at once,
+so their events complete (the work is flushed, as after an NCCL abort), and
+later calls raise. A rank that destroyed its communicator, or aborted it, or
+whose communicator broke, only makes the operations that need it fail, naming
+it and saying which (its connections carry a goodbye or a notice first).
+``abort()`` may be called from any thread while operations are pending: it
+ends them on every stream and returns within ~50 ms.
+
 Not NCCL: no GPU, NVLink or InfiniBand, no CUDA graphs; calls on the null
 stream (0) run synchronously in the caller; other streams do not synchronise
 implicitly with the null stream (use events); a send never needs its matching
 receive to be posted (NCCL may deadlock where the emulator does not);
-float16/bfloat16 reductions accumulate in float32; ``initAll`` accepts any
+float16/bfloat16 reductions accumulate in float32; a dead rank breaks even an
+idle communicator at once, and a rank's abort is told to its peers (NCCL may
+only find out when an operation needs that rank); ``initAll`` accepts any
 device ids; creating a communicator blocks at once, even inside a group;
 ``Event.done`` and ``Stream.done`` may wait up to 1 ms for pending work before
 they answer False (the emulated device needs the host's GIL to make progress);

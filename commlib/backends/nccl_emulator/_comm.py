@@ -3,8 +3,12 @@
 Operations get their sequence numbers from the core when they are called (so
 they match across ranks in call order) and run later (see ``_launch``). A
 failing operation breaks its communicator like an NCCL async error: the error
-is stored, pending waits fail, the links are cut so that the peers fail fast
-too, and later calls raise.
+is stored, pending waits fail, the links are cut (with a notice saying why) so
+that the peers' operations that need this rank fail fast too, and later calls
+raise. A peer whose process died (its connection ends without a goodbye or a
+notice) breaks the communicator the same way, at once, naming the peer; the
+links to the others stay up, since each sees the death itself and must not
+take this rank's reaction for its cause.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 from ._errors import INVALID_ARGUMENT, INVALID_USAGE, NcclError
 from ._launch import execute
 from ._link import Link
-from ._mailbox import Key, Mailbox
+from ._mailbox import Key, Mailbox, gone_error
 from ._ops import SCRATCH_MIN, AllGather
 from ._wire import connect_mesh, open_listener
 
@@ -33,6 +37,7 @@ _SPLIT_RECORD = struct.Struct("<qq4sH")  # color, key, IPv4, listener port
 # Large scratch buffers are reused: fresh pages cost a page fault each (about a third of a big all-reduce).
 _SCRATCH_MIN = SCRATCH_MIN
 _SCRATCH_CAP = 256 << 20  # bytes kept per communicator at most
+_NOTICE_WAIT = 0.05  # seconds cutting the links may wait for frames being sent, to send the notices after them
 
 
 class CommCore:
@@ -41,7 +46,7 @@ class CommCore:
     def __init__(self, rank: int, size: int, comm_id: int, socks: dict[int, socket.socket], ip: str) -> None:
         self.rank, self.size, self.comm_id, self.ip = rank, size, comm_id, ip
         self.mailbox = Mailbox()
-        self.links = {peer: Link(sock, peer, comm_id, self.mailbox) for peer, sock in socks.items()}
+        self.links = {peer: Link(sock, peer, comm_id, self.mailbox, self._lost) for peer, sock in socks.items()}
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # destroy() waits here for the operations in flight
         self._coll_seq = itertools.count(1)  # next() is atomic: no lock on the hot path
@@ -162,23 +167,39 @@ class CommCore:
         if idle and self._close_when_idle:
             self._say_goodbye()
 
-    def fail(self, error: NcclError) -> None:
-        """Store ``error`` as the async error (first one wins), fail pending waits, cut the links."""
+    def fail(self, error: NcclError, cut: bool = True) -> None:
+        """Store ``error`` as the async error (first one wins) and fail pending waits; if it is the first,
+        and ``cut``, cut the links (with a notice saying why) so that the peers fail fast too."""
         with self._lock:
-            if self.async_error is None and self.state == _OPEN:
+            first = self.async_error is None and self.state == _OPEN
+            if first:
                 self.async_error = error
         self.mailbox.fail(error)
-        for link in self.links.values():
-            link.cut()
+        with self._lock:
+            self._idle.notify_all()  # destroy() may be waiting for operations that can now only fail
+        if first and cut:
+            self._cut(f"broke its communicator: {error.detail or error}")
+
+    def _lost(self, peer: int, why: str, remote: bool) -> None:
+        """A link ended without a goodbye or a notice (see ``Link``): the communicator breaks at once, naming ``peer``.
+
+        When the far side ended it (the peer's process died), every other rank sees that too, so the
+        links stay up: a peer must not read this rank's reaction as the cause.
+        """
+        found = self.mailbox.error  # a mismatch found in the peer's frames breaks the mailbox first
+        self.fail(self.mailbox.failure() if found is not None else gone_error(peer, why), cut=not remote)
 
     # --- life cycle ---
     def destroy(self, timeout: float) -> None:
-        """Wait (up to ``timeout``) for launched operations, then close the links gracefully."""
+        """Wait (up to ``timeout``) for launched operations, then close the links gracefully.
+
+        On a broken communicator the launched operations have failed or fail at once: no wait.
+        """
         with self._lock:
             if self.state != _OPEN:
                 return
             self.state = _DESTROYED
-            self._idle.wait_for(lambda: self._inflight == 0, timeout)
+            self._idle.wait_for(lambda: self._inflight == 0 or self.mailbox.error is not None, timeout)
         self._say_goodbye()
 
     def release(self) -> None:
@@ -193,14 +214,19 @@ class CommCore:
             self._say_goodbye()
 
     def abort(self) -> None:
-        """Fail everything in flight at once and cut the links; never blocks."""
+        """Fail everything in flight at once and cut the links (telling the peers); never blocks."""
         with self._lock:
             if self.state == _ABORTED:
                 return
             self.state = _ABORTED
         self.mailbox.fail(NcclError(INVALID_USAGE, "the communicator was aborted while the operation was in flight"))
+        self._cut("aborted its communicator")
+
+    def _cut(self, notice: str) -> None:
+        """Cut every link, telling each peer ``notice`` (so that it does not take this rank for dead)."""
+        until = time.monotonic() + _NOTICE_WAIT
         for link in self.links.values():
-            link.cut()
+            link.cut(notice, until)
 
     def _say_goodbye(self) -> None:
         self._close_when_idle = False
