@@ -1,4 +1,4 @@
-"""The NCCL emulator when a rank dies and the job goes on: detection, abort.
+"""The NCCL emulator when a rank dies and the job goes on: detection, abort, commShrink, a fresh unique id.
 
 A rank that is killed must be a real process killed by a signal (mpiexec would end the whole job), so
 these tests start plain processes (``_ranks``) that meet through a unique id written to a file, as any
@@ -23,8 +23,8 @@ import pytest
 
 from commlib.backends import nccl_emulator as nccl
 
-F64, SUM = nccl.NCCL_FLOAT64, nccl.NCCL_SUM
-REMOTE_ERROR, INVALID_ARGUMENT = 6, 4
+F64, I64, SUM, MAX = nccl.NCCL_FLOAT64, nccl.NCCL_INT64, nccl.NCCL_SUM, nccl.NCCL_MAX
+REMOTE_ERROR, INVALID_ARGUMENT, INVALID_USAGE = 6, 4, 5
 DETECTED_WITHIN = 1.0  # seconds from a kill to every survivor's error (it takes ~10 ms; the machine is loaded)
 # Each rank runs `job(comm, rank, size, workdir, *args)` from this module and prints its JSON result.
 _CHILD = """
@@ -254,3 +254,182 @@ def test_abort_from_another_thread_ends_pending_operations_on_every_stream(tmp_p
     got = _ranks(tmp_path, abort_job, 2, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "60"})[0]
     assert got["abort"] < 0.1 and got["ended"] < 0.5, got
     assert got["done"] == [True, True] and got["later"] == INVALID_ARGUMENT, got
+
+
+# --- commShrink ------------------------------------------------------------------------------
+
+
+def _check_collectives(comm, me: int, n: int, rounds: int) -> int:
+    """Every kind of operation ``rounds`` times on a stream, each checked against numpy."""
+    s, checked = nccl.cuda.Stream(), 0
+    right, left = (me + 1) % n, (me - 1) % n
+    for i in range(rounds):
+        count = 5 if i % 2 else 70_000  # in place, and on the worker (> 256 KiB in two phases for the all-reduce)
+        a = np.arange(count, dtype=np.float64) + me + i
+        total, gathered = np.zeros(count), np.zeros(count * n)
+        bcast, scattered = (a.copy() if me == i % n else np.zeros(count)), np.zeros(count // n)
+        sent, got = np.full(count, 100 * me + i, np.int64), np.zeros(count, np.int64)
+        comm.allReduce(ptr(a), ptr(total), count, F64, SUM, s.ptr)
+        comm.broadcast(ptr(bcast), ptr(bcast), count, F64, i % n, s.ptr)
+        comm.allGather(ptr(a), ptr(gathered), count, F64, s.ptr)
+        comm.reduceScatter(ptr(gathered), ptr(scattered), count // n, F64, SUM, s.ptr)
+        nccl.groupStart()
+        comm.send(ptr(sent), count, I64, right, s.ptr)
+        comm.recv(ptr(got), count, I64, left, s.ptr)
+        nccl.groupEnd()
+        s.synchronize()
+        comm.check_async_error()
+        everyone = [np.arange(count, dtype=np.float64) + r + i for r in range(n)]
+        assert np.array_equal(total, sum(everyone)), ("allReduce", i)
+        assert np.array_equal(bcast, everyone[i % n]), ("broadcast", i)
+        assert np.array_equal(gathered, np.concatenate(everyone)), ("allGather", i)
+        block = slice(me * (count // n), (me + 1) * (count // n))
+        assert np.array_equal(scattered, n * np.concatenate(everyone)[block]), ("reduceScatter", i)
+        assert (got == 100 * left + i).all(), ("send/recv", i)
+        checked += 5
+    return checked
+
+
+def shrink_after_death_job(comm, me: int, n: int, workdir: Path) -> object:
+    if me == 1:
+        _die(workdir)  # a middle rank: the survivors are renumbered
+    error = _wait_broken(comm)
+    child = comm.commShrink([1])
+    ranks = [child.rank_id(), child.size()]
+    checked = _check_collectives(child, child.rank_id(), child.size(), 20)
+    child.destroy()
+    comm.abort()
+    return [error and error.status, ranks, checked]
+
+
+@pytest.mark.timeout(90)
+def test_commshrink_after_a_death_gives_a_working_communicator(tmp_path: Path) -> None:
+    results = _ranks(tmp_path, shrink_after_death_job, 4, timeout=60)
+    assert results[1] == -signal.SIGKILL
+    assert [r[1] for r in (results[0], results[2], results[3])] == [[0, 3], [1, 3], [2, 3]]
+    for status, _, checked in (results[0], results[2], results[3]):
+        assert status == REMOTE_ERROR and checked == 100
+
+
+def shrink_abort_job(comm, me: int, n: int, workdir: Path) -> object:
+    if me == n - 1:
+        _await(workdir, *(f"done.{r}" for r in range(n - 1)))  # alive but stuck: never joins, is shrunk away
+        return "excluded"
+    s, y = nccl.cuda.Stream(), np.ones(1 << 19)
+    comm.allReduce(ptr(y), ptr(y), y.size, F64, SUM, s.ptr)  # pending: the last rank never joins
+    event = s.record()
+    start = time.monotonic()
+    child = comm.commShrink([n - 1], nccl.NCCL_SHRINK_ABORT)
+    shrunk = time.monotonic() - start
+    flushed = event.done
+    x = np.full(2, me + 1.0)
+    child.allReduce(ptr(x), ptr(x), 2, F64, SUM, 0)
+    try:
+        comm.check_async_error()
+        parent = "not broken"
+    except nccl.NcclError as exc:
+        parent = [exc.status, str(exc)]
+    child.destroy()
+    (workdir / f"done.{me}").touch()
+    return [shrunk, flushed, x.tolist(), parent]
+
+
+@pytest.mark.timeout(60)
+def test_commshrink_with_abort_ends_the_parents_pending_operation(tmp_path: Path) -> None:
+    results = _ranks(tmp_path, shrink_abort_job, 3, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "60"})
+    assert results[2] == "excluded"
+    for shrunk, flushed, values, (status, message) in results[:2]:
+        assert shrunk < 2.0 and flushed and values == [3.0, 3.0]
+        # Its own abort, or its peer's notice of the same (whichever came first).
+        assert status in (INVALID_USAGE, REMOTE_ERROR) and "NCCL_SHRINK_ABORT" in message
+
+
+def shrink_non_caller_job(comm, me: int, n: int, workdir: Path, absent: int) -> object:
+    callers = [f"done.{r}" for r in range(n - 1) if r != absent]
+    if me in (n - 1, absent):  # excluded (alive, not calling, as it must not), or staying but never calling
+        _await(workdir, *callers)
+        return "excluded" if me == n - 1 else "absent"
+    start = time.monotonic()
+    try:
+        comm.commShrink([n - 1])
+        return "commShrink returned without the absent rank"
+    except nccl.NcclError as exc:
+        return [exc.status, str(exc), time.monotonic() - start]
+    finally:
+        (workdir / f"done.{me}").touch()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("absent", [0, 2], ids=["the lowest survivor", "the highest survivor"])
+def test_a_survivor_that_never_calls_commshrink_makes_the_others_time_out(tmp_path: Path, absent: int) -> None:
+    results = _ranks(tmp_path, shrink_non_caller_job, 4, absent, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "1.5"})
+    for rank in {0, 1, 2} - {absent}:
+        status, message, elapsed = results[rank]
+        assert status in (REMOTE_ERROR, 2) and "commShrink" in message, results[rank]  # 2: ncclSystemError
+        assert 1.0 < elapsed < 3.5, results[rank]
+
+
+@pytest.mark.timeout(60)
+def test_commshrink_arguments_in_one_process() -> None:
+    comms = nccl.NcclCommunicator.initAll(3)
+    with pytest.raises(nccl.NcclError, match="rank 2 is in excludeRanks") as excinfo:
+        comms[2].commShrink([2])  # an excluded rank must not call: it fails at once, talking to nobody
+    assert excinfo.value.status == INVALID_ARGUMENT
+    for bad, status in [([], INVALID_ARGUMENT), ([3], INVALID_ARGUMENT), ([-1], INVALID_ARGUMENT)]:
+        with pytest.raises(nccl.NcclError) as excinfo:
+            comms[0].commShrink(bad)
+        assert excinfo.value.status == status, bad
+    with pytest.raises(nccl.NcclError, match="flags"):
+        comms[0].commShrink([2], 2)
+    with pytest.raises(TypeError, match="excludeRanks"):
+        comms[0].commShrink(2)
+    assert (nccl.NCCL_SHRINK_DEFAULT, nccl.NCCL_SHRINK_ABORT) == (0, 1)  # nccl.h (NCCL 2.27+)
+    children: list = [None, None]
+
+    def shrink(rank: int) -> None:
+        children[rank] = comms[rank].commShrink([2, 2])  # repeats are one rank
+
+    threads = [threading.Thread(target=shrink, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    x, y = np.ones(3), np.full(3, 2.0)
+    nccl.groupStart()
+    children[0].allReduce(ptr(x), ptr(x), 3, F64, MAX, 0)
+    children[1].allReduce(ptr(y), ptr(y), 3, F64, MAX, 0)
+    nccl.groupEnd()
+    assert x.tolist() == y.tolist() == [2.0] * 3
+    assert [c.rank_id() for c in children] == [0, 1] and children[0].size() == 2
+    comms[0].check_async_error()  # the parent is as it was
+    for comm in [*children, *comms]:
+        comm.abort()
+
+
+# --- a fresh unique id among the survivors ---------------------------------------------------
+
+
+def fresh_id_job(comm, me: int, n: int, workdir: Path) -> object:
+    """The old communicators are aborted, destroyed or left alone; a new world of the survivors works."""
+    spare = [nccl.NcclCommunicator(n, _unique_id(workdir, f"spare{k}", me == 0), me) for k in range(2)]
+    if me == n - 1:
+        _die(workdir)
+    for old in [comm, *spare]:
+        _wait_broken(old)
+    start = time.monotonic()
+    comm.abort()
+    spare[0].destroy()  # spare[1] is leaked: never destroyed
+    closed = time.monotonic() - start
+    survivors = n - 1
+    fresh = nccl.NcclCommunicator(survivors, _unique_id(workdir, "fresh", me == 0), me)
+    checked = _check_collectives(fresh, me, survivors, 4)
+    fresh.destroy()
+    return [closed, checked]
+
+
+@pytest.mark.timeout(60)
+def test_a_fresh_unique_id_among_the_survivors_after_a_death(tmp_path: Path) -> None:
+    results = _ranks(tmp_path, fresh_id_job, 4)
+    assert results[3] == -signal.SIGKILL
+    for closed, checked in results[:3]:
+        assert closed < 1.0 and checked == 20

@@ -24,7 +24,16 @@ later calls raise. A rank that destroyed its communicator, or aborted it, or
 whose communicator broke, only makes the operations that need it fail, naming
 it and saying which (its connections carry a goodbye or a notice first).
 ``abort()`` may be called from any thread while operations are pending: it
-ends them on every stream and returns within ~50 ms.
+ends them on every stream and returns within ~50 ms. ``commShrink(excludeRanks,
+flags)`` models ncclCommShrink (NCCL 2.27+; cupy has no binding): the ranks
+that stay, and only they, make a communicator of themselves, renumbered in
+order, without a byte to or from an excluded rank (they may be dead), also
+from a broken communicator; ``NCCL_SHRINK_ABORT`` first ends the parent's
+pending operations. The child has connections of its own (each communicator
+keeps its listener and every rank's address for that), so nothing of the
+parent's aborted operations can reach it. A communicator among the survivors
+can also be made with a fresh ``get_unique_id()``; the old one may be aborted,
+destroyed (which does not wait on a dead rank) or left alone.
 
 Not NCCL: no GPU, NVLink or InfiniBand, no CUDA graphs; calls on the null
 stream (0) run synchronously in the caller; other streams do not synchronise
@@ -47,8 +56,8 @@ import sys
 import threading
 import time
 
-from ._args import dtype_of, host, index, reduction, size_t, stream_of
-from ._comm import CommCore, split
+from ._args import dtype_of, exclusions, host, index, reduction, size_t, stream_of
+from ._comm import CommCore, shrink, split
 from ._errors import INVALID_ARGUMENT, NcclError, check_status, op_timeout
 from ._launch import group_end, group_start, submit
 from ._ops import AllGather, AllReduce, Broadcast, Op, PointToPoint, Reduce, ReduceScatter
@@ -73,6 +82,8 @@ __all__ = [
     "NCCL_MAX",
     "NCCL_MIN",
     "NCCL_PROD",
+    "NCCL_SHRINK_ABORT",
+    "NCCL_SHRINK_DEFAULT",
     "NCCL_SUM",
     "NCCL_UINT32",
     "NCCL_UINT64",
@@ -108,6 +119,9 @@ NCCL_FLOAT64 = NCCL_DOUBLE = 8
 NCCL_BFLOAT16 = 9
 
 _SPLIT_NOCOLOR = -1  # NCCL_SPLIT_NOCOLOR in nccl.h (cupy does not export it)
+# ncclCommShrink's flags (nccl.h, NCCL 2.27+; cupy has no commShrink): shrink as is, or first abort the
+# parent's operations in flight.
+NCCL_SHRINK_DEFAULT, NCCL_SHRINK_ABORT = 0x00, 0x01
 _VERSION = 22105  # NCCL 2.21.5 in NCCL's encoding (major*10000 + minor*100 + patch): what the emulator mimics
 
 
@@ -157,9 +171,10 @@ class NcclCommunicator:
         try:
             comm_id, table, ip = bootstrap(commId, ndev, rank, listener.getsockname()[1], timeout)
             socks = connect_mesh(comm_id, rank, table, listener, time.monotonic() + timeout)
-        finally:
+        except BaseException:
             listener.close()
-        self._core = CommCore(rank, ndev, comm_id, socks, ip)
+            raise
+        self._core = CommCore(rank, ndev, comm_id, socks, ip, listener, table)  # keeps the listener (commShrink)
 
     @classmethod
     def _wrap(cls, core: CommCore, device: int) -> NcclCommunicator:
@@ -328,3 +343,24 @@ class NcclCommunicator:
             raise NcclError(INVALID_ARGUMENT, f"color must be >= 0 or NCCL_SPLIT_NOCOLOR (-1), got {color}")
         child = split(core, color, key, op_timeout())
         return None if child is None else NcclCommunicator._wrap(child, self._device)
+
+    def commShrink(
+        self, excludeRanks: list[int], flags: int = NCCL_SHRINK_DEFAULT, config: NcclConfig | None = None
+    ) -> NcclCommunicator:
+        """ncclCommShrink: a new communicator of the ranks not in ``excludeRanks``, renumbered in order.
+
+        Called by every rank that stays, and by no excluded one (that one gets INVALID_ARGUMENT); it never
+        talks to an excluded rank, so it works when this communicator is broken because one of them died.
+        ``flags=NCCL_SHRINK_ABORT`` first ends this communicator's operations in flight (it stays broken).
+        A rank that stays but never calls makes the others fail after the emulator's timeout. Like a split,
+        the new communicator has connections of its own.
+        """
+        core = self._open()
+        exclude = exclusions(excludeRanks, core.rank, core.size)
+        flags = index(flags, "flags")
+        if flags not in (NCCL_SHRINK_DEFAULT, NCCL_SHRINK_ABORT):
+            raise NcclError(
+                INVALID_ARGUMENT, f"flags must be NCCL_SHRINK_DEFAULT (0) or NCCL_SHRINK_ABORT (1), got {flags}"
+            )
+        child = shrink(core, exclude, flags == NCCL_SHRINK_ABORT, op_timeout())
+        return NcclCommunicator._wrap(child, self._device)

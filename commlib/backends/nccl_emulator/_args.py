@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -10,7 +11,7 @@ from ._errors import INVALID_ARGUMENT, NcclError
 from ._ops import DTYPES, REDOPS, host_array
 from ._streams import Stream, resolve_stream
 
-__all__ = ["dtype_of", "host", "index", "reduction", "size_t", "stream_of"]
+__all__ = ["dtype_of", "exclusions", "host", "index", "reduction", "size_t", "stream_of"]
 
 
 def index(value: object, name: str) -> int:
@@ -61,3 +62,21 @@ def host(ptr: object, count: int, dtype: np.dtype, name: str) -> np.ndarray:
     if address == 0 and count > 0:
         raise NcclError(INVALID_ARGUMENT, f"{name} is NULL")
     return host_array(address, count, dtype)
+
+
+def exclusions(ranks: object, rank: int, size: int) -> list[int]:
+    """commShrink's ``excludeRanks``: distinct ranks of the communicator, at least one, not the caller's (sorted)."""
+    if not isinstance(ranks, Iterable) or isinstance(ranks, str | bytes):
+        raise TypeError(f"excludeRanks must be a sequence of ranks, got {type(ranks).__name__}")
+    exclude = sorted({index(r, "excludeRanks") for r in ranks})
+    if not exclude:
+        raise NcclError(INVALID_ARGUMENT, "excludeRanks must name at least one rank (NCCL: excludeRanksCount > 0)")
+    outside = [r for r in exclude if not 0 <= r < size]
+    if outside:
+        raise NcclError(INVALID_ARGUMENT, f"excludeRanks {outside} are not ranks of a communicator of size {size}")
+    if rank in exclude:
+        raise NcclError(
+            INVALID_ARGUMENT,
+            f"rank {rank} is in excludeRanks {exclude}: only the ranks that stay call commShrink",
+        )
+    return exclude

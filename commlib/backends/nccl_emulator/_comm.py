@@ -1,4 +1,4 @@
-"""The communicator core of the NCCL emulator, and ncclCommSplit.
+"""The communicator core of the NCCL emulator, ncclCommSplit and ncclCommShrink.
 
 Operations get their sequence numbers from the core when they are called (so
 they match across ranks in call order) and run later (see ``_launch``). A
@@ -28,12 +28,13 @@ from ._launch import execute
 from ._link import Link
 from ._mailbox import Key, Mailbox, gone_error
 from ._ops import SCRATCH_MIN, AllGather
-from ._wire import connect_mesh, open_listener
+from ._wire import Endpoint, connect_mesh, open_listener
 
-__all__ = ["CommCore", "split"]
+__all__ = ["CommCore", "shrink", "split"]
 
 _OPEN, _DESTROYED, _ABORTED = "open", "destroyed", "aborted"
 _SPLIT_RECORD = struct.Struct("<qq4sH")  # color, key, IPv4, listener port
+_SHRINK_RECORD = struct.Struct("<8s4sH")  # digest of the excluded ranks, IPv4, listener port
 # Large scratch buffers are reused: fresh pages cost a page fault each (about a third of a big all-reduce).
 _SCRATCH_MIN = SCRATCH_MIN
 _SCRATCH_CAP = 256 << 20  # bytes kept per communicator at most
@@ -43,8 +44,21 @@ _NOTICE_WAIT = 0.05  # seconds cutting the links may wait for frames being sent,
 class CommCore:
     """State of one emulated communicator: its links, mailbox, sequence counters and error."""
 
-    def __init__(self, rank: int, size: int, comm_id: int, socks: dict[int, socket.socket], ip: str) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        comm_id: int,
+        socks: dict[int, socket.socket],
+        ip: str,
+        listener: socket.socket,
+        table: list[Endpoint] | None,
+    ) -> None:
         self.rank, self.size, self.comm_id, self.ip = rank, size, comm_id, ip
+        # The listener the mesh was made on stays open, and every rank's address is kept (``table``), so
+        # that commShrink can connect the survivors to each other without any excluded (maybe dead) rank.
+        self.listener, self.table = listener, table
+        self.shrinks = 0  # commShrink calls made on this communicator (each child gets its own id)
         self.mailbox = Mailbox()
         self.links = {peer: Link(sock, peer, comm_id, self.mailbox, self._lost) for peer, sock in socks.items()}
         self._lock = threading.RLock()
@@ -144,6 +158,14 @@ class CommCore:
         """The sequence number of the next collective (call order)."""
         return next(self._coll_seq)
 
+    def next_shrink_id(self) -> int:
+        """The id of the next communicator commShrink makes from this one (the same on every survivor)."""
+        with self._lock:
+            self.shrinks += 1
+            count = self.shrinks
+        digest = hashlib.blake2b(struct.pack("<QQ", self.comm_id, count) + b"shrink", digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
     def next_p2p(self, peer: int, sending: bool) -> int:
         """The sequence number of the next send to / receive from ``peer``."""
         with self._lock:
@@ -162,7 +184,7 @@ class CommCore:
         with self._lock:
             self._inflight -= 1
             idle = self._inflight == 0
-            if idle and self.state != _OPEN:  # destroy() may be waiting for this
+            if idle and (self.state != _OPEN or self.async_error is not None):  # destroy() or quiesce() waits
                 self._idle.notify_all()
         if idle and self._close_when_idle:
             self._say_goodbye()
@@ -213,6 +235,11 @@ class CommCore:
         if idle:
             self._say_goodbye()
 
+    def quiesce(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) until no launched operation is in flight (on a broken communicator: soon)."""
+        with self._lock:
+            self._idle.wait_for(lambda: self._inflight == 0, timeout)
+
     def abort(self) -> None:
         """Fail everything in flight at once and cut the links (telling the peers); never blocks."""
         with self._lock:
@@ -220,6 +247,7 @@ class CommCore:
                 return
             self.state = _ABORTED
         self.mailbox.fail(NcclError(INVALID_USAGE, "the communicator was aborted while the operation was in flight"))
+        self.listener.close()
         self._cut("aborted its communicator")
 
     def _cut(self, notice: str) -> None:
@@ -231,6 +259,7 @@ class CommCore:
     def _say_goodbye(self) -> None:
         self._close_when_idle = False
         self.mailbox.fail(NcclError(INVALID_ARGUMENT, "the communicator was destroyed"))
+        self.listener.close()
         for link in self.links.values():
             link.goodbye()
 
@@ -259,8 +288,62 @@ def split(parent: CommCore, color: int, key: int, timeout: float) -> CommCore | 
         digest = hashlib.blake2b(struct.pack("<QQq", parent.comm_id, seq, color), digest_size=8).digest()
         comm_id = int.from_bytes(digest, "little")
         socks = connect_mesh(comm_id, new_rank, table, listener, time.monotonic() + timeout)
-        listener = None  # connect_mesh closed it
-        return CommCore(new_rank, len(table), comm_id, socks, parent.ip)
+        child, listener = CommCore(new_rank, len(table), comm_id, socks, parent.ip, listener, table), None
+        return child
     finally:
         if listener is not None:
             listener.close()
+
+
+# --- commShrink ------------------------------------------------------------------------------
+
+
+def shrink(parent: CommCore, exclude: list[int], abort_first: bool, timeout: float) -> CommCore:
+    """ncclCommShrink among the ranks not in ``exclude`` (checked already), never contacting an excluded rank.
+
+    The survivors dial each other's parent listeners: fresh connections, so that no byte of the parent's
+    aborted operations can reach the child, and nothing of the parent's links (cut, or broken by a dead
+    peer) is needed. Then they all-gather on the child a digest of ``exclude`` (all must pass the same)
+    and the child's own listener, for the child's own commShrink.
+    """
+    deadline = time.monotonic() + timeout
+    if abort_first:  # NCCL_SHRINK_ABORT: the parent's operations in flight end first (the parent stays broken)
+        parent.fail(NcclError(INVALID_USAGE, "the operation was aborted by commShrink(flags=NCCL_SHRINK_ABORT)"))
+        parent.quiesce(timeout)
+    members = [r for r in range(parent.size) if r not in exclude]
+    where = f"commShrink (its ranks 0..{len(members) - 1} are this communicator's ranks {members})"
+    comm_id = parent.next_shrink_id()
+    table = parent.table
+    assert table is not None  # every finished communicator has its table
+    try:
+        new_table = [table[r] for r in members]
+        socks = connect_mesh(comm_id, members.index(parent.rank), new_table, parent.listener, deadline)
+    except NcclError as e:
+        raise NcclError(e.status, f"{where}: {e.detail}") from None
+    except OSError as e:  # the parent's listener was closed: it was aborted or destroyed meanwhile
+        raise NcclError(INVALID_USAGE, f"{where}: the communicator was closed meanwhile ({e})") from None
+    child = CommCore(members.index(parent.rank), len(members), comm_id, socks, parent.ip, open_listener(), None)
+    try:
+        child.table = _agree(child, exclude, deadline, where)
+    except BaseException:
+        child.abort()
+        raise
+    return child
+
+
+def _agree(child: CommCore, exclude: list[int], deadline: float, where: str) -> list[Endpoint]:
+    """All-gather (digest of ``exclude``, listener address) on ``child``; its address table if all agree."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(exclude)}q", *exclude), digest_size=8).digest()
+    port = child.listener.getsockname()[1]
+    mine = np.frombuffer(_SHRINK_RECORD.pack(digest, socket.inet_aton(child.ip), port), np.uint8)
+    everyone = np.empty(child.size * mine.size, np.uint8)
+    seq = child.next_collective()
+    child.begin()
+    error = execute([AllGather(child, seq, mine, everyone)], max(deadline - time.monotonic(), 0.001))
+    if error is not None:
+        raise NcclError(error.status, f"{where}: {error.detail}")
+    records = [_SHRINK_RECORD.unpack(bytes(r)) for r in everyone.reshape(child.size, -1)]
+    differ = [r for r, (theirs, _, _) in enumerate(records) if theirs != digest]
+    if differ:
+        raise NcclError(INVALID_USAGE, f"{where}: its ranks {differ} passed other excludeRanks than {exclude}")
+    return [(socket.inet_ntoa(ip), port) for _, ip, port in records]

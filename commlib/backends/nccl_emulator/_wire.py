@@ -217,7 +217,8 @@ def bootstrap(comm_id: object, nranks: int, rank: int, listen_port: int, timeout
 def connect_mesh(
     comm_id: int, rank: int, table: list[Endpoint], listener: socket.socket, deadline: float
 ) -> dict[int, socket.socket]:
-    """Connect every pair of ranks once: dial the lower ranks, accept the higher ones. Closes ``listener``."""
+    """Connect every pair of ranks once: dial the lower ranks, accept the higher ones on ``listener`` (left open:
+    the communicator keeps it for commShrink)."""
     peers: dict[int, socket.socket] = {}
     try:
         for peer in range(rank):  # dialing never waits for the peer: the kernel's backlog completes it
@@ -239,8 +240,6 @@ def connect_mesh(
         for sock in peers.values():
             sock.close()
         raise
-    finally:
-        listener.close()
     for sock in peers.values():
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small messages must not wait for acks
