@@ -60,7 +60,6 @@ class CommCore:
         self.listener, self.table = listener, table
         self.shrinks = 0  # commShrink calls made on this communicator (each child gets its own id)
         self.mailbox = Mailbox()
-        self.links = {peer: Link(sock, peer, comm_id, self.mailbox, self._lost) for peer, sock in socks.items()}
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # destroy() waits here for the operations in flight
         self._coll_seq = itertools.count(1)  # next() is atomic: no lock on the hot path
@@ -72,6 +71,9 @@ class CommCore:
         self._scratch_bytes = 0
         self.state = _OPEN
         self.async_error: NcclError | None = None
+        self.links = {peer: Link(sock, peer, comm_id, self.mailbox, self._lost) for peer, sock in socks.items()}
+        for link in self.links.values():  # last: a receiver thread may report its peer lost (``_lost``) at once
+            link.start()
 
     # --- what the operations use ---
     def send(self, peer: int, key: Key, data: memoryview) -> None:

@@ -112,6 +112,9 @@ class Link:
         if sys.getswitchinterval() > _SWITCH:
             sys.setswitchinterval(_SWITCH)
         self._thread = threading.Thread(target=self._receive_loop, name=f"nccl-emulator-rx-{peer}", daemon=True)
+
+    def start(self) -> None:
+        """Start the receiver thread (once the communicator is ready to hear that the peer is lost)."""
         self._thread.start()
 
     # --- sending ---
