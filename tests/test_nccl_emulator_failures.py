@@ -25,6 +25,7 @@ from commlib.backends import nccl_emulator as nccl
 
 F64, I64, SUM, MAX = nccl.NCCL_FLOAT64, nccl.NCCL_INT64, nccl.NCCL_SUM, nccl.NCCL_MAX
 REMOTE_ERROR, INVALID_ARGUMENT, INVALID_USAGE = 6, 4, 5
+_OP_TIMEOUT = "EMULATOR_FAILURES_OP_TIMEOUT"
 DETECTED_WITHIN = 1.0  # seconds from a kill to every survivor's error (it takes ~10 ms; the machine is loaded)
 # Each rank runs `job(comm, rank, size, workdir, *args)` from this module and prints its JSON result.
 _CHILD = """
@@ -40,13 +41,26 @@ def ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-def _ranks(tmp_path: Path, job, size: int, *args: object, timeout: float = 30.0, env: dict | None = None) -> list:
+def _ranks(
+    tmp_path: Path,
+    job,
+    size: int,
+    *args: object,
+    timeout: float = 30.0,
+    op_timeout: float = 60.0,
+    env: dict | None = None,
+) -> list:
     """Run ``job`` on ``size`` plain processes; return each rank's result (a killed rank: its exit code).
+
+    ``op_timeout`` is the emulator's timeout once the ranks have joined (joining may take longer on a
+    loaded machine: it gets the default).
 
     Past ``timeout`` every rank still running is killed (after its stacks were dumped) and the test
     fails with every rank's stderr and the list of the ranks that never finished.
     """
-    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), _OP_TIMEOUT: str(op_timeout)}
+    environ.pop("COMMLIB_NCCL_EMULATOR_TIMEOUT", None)
+    environ.update(env or {})
     tests, spec = str(Path(__file__).parent), json.dumps(args)
     procs, logs = [], []
     for rank in range(size):
@@ -87,6 +101,7 @@ def rank_main(job: str, rank: str, size: str, workdir: str, args: str) -> object
     comm = nccl.NcclCommunicator(n, _unique_id(Path(workdir), "world", me == 0), me)
     x = np.ones(1)  # all connected before the job starts
     comm.allReduce(ptr(x), ptr(x), 1, F64, SUM, 0)
+    os.environ["COMMLIB_NCCL_EMULATOR_TIMEOUT"] = os.environ[_OP_TIMEOUT]  # read by the emulator at each call
     return globals()[job](comm, me, n, Path(workdir), *json.loads(args))
 
 
@@ -175,7 +190,7 @@ def killed_rank_job(comm, me: int, n: int, workdir: Path, state: str) -> object:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("state", ["in an all-reduce", "rank 0 in a receive from a live rank, the others idle"])
 def test_a_killed_rank_breaks_every_survivor_at_once(tmp_path: Path, state: str) -> None:
-    results = _ranks(tmp_path, killed_rank_job, 4, state, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "60"})
+    results = _ranks(tmp_path, killed_rank_job, 4, state)
     assert results[3] == -signal.SIGKILL
     for rank, got in enumerate(results[:3]):
         assert got["status"] == REMOTE_ERROR, (rank, got)
@@ -251,7 +266,7 @@ def abort_job(comm, me: int, n: int, workdir: Path) -> object:
 
 @pytest.mark.timeout(60)
 def test_abort_from_another_thread_ends_pending_operations_on_every_stream(tmp_path: Path) -> None:
-    got = _ranks(tmp_path, abort_job, 2, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "60"})[0]
+    got = _ranks(tmp_path, abort_job, 2)[0]
     assert got["abort"] < 0.1 and got["ended"] < 0.5, got
     assert got["done"] == [True, True] and got["later"] == INVALID_ARGUMENT, got
 
@@ -336,7 +351,7 @@ def shrink_abort_job(comm, me: int, n: int, workdir: Path) -> object:
 
 @pytest.mark.timeout(60)
 def test_commshrink_with_abort_ends_the_parents_pending_operation(tmp_path: Path) -> None:
-    results = _ranks(tmp_path, shrink_abort_job, 3, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "60"})
+    results = _ranks(tmp_path, shrink_abort_job, 3)
     assert results[2] == "excluded"
     for shrunk, flushed, values, (status, message) in results[:2]:
         assert shrunk < 2.0 and flushed and values == [3.0, 3.0]
@@ -362,11 +377,38 @@ def shrink_non_caller_job(comm, me: int, n: int, workdir: Path, absent: int) -> 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("absent", [0, 2], ids=["the lowest survivor", "the highest survivor"])
 def test_a_survivor_that_never_calls_commshrink_makes_the_others_time_out(tmp_path: Path, absent: int) -> None:
-    results = _ranks(tmp_path, shrink_non_caller_job, 4, absent, env={"COMMLIB_NCCL_EMULATOR_TIMEOUT": "1.5"})
+    results = _ranks(tmp_path, shrink_non_caller_job, 4, absent, op_timeout=1.5)
     for rank in {0, 1, 2} - {absent}:
         status, message, elapsed = results[rank]
         assert status in (REMOTE_ERROR, 2) and "commShrink" in message, results[rank]  # 2: ncclSystemError
         assert 1.0 < elapsed < 3.5, results[rank]
+
+
+def second_death_job(comm, me: int, n: int, workdir: Path) -> object:
+    """Rank 3 dies; rank 2 dies too, before it calls commShrink: the others' first try fails, the second works."""
+    if me == n - 1:
+        _die(workdir)
+    _wait_broken(comm)
+    if me == n - 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.commShrink([n - 1])
+        return "the first commShrink worked without rank 2"
+    except nccl.NcclError as exc:
+        first = exc.status
+    child = comm.commShrink([n - 2, n - 1], nccl.NCCL_SHRINK_ABORT)
+    x = np.full(2, me + 1.0)
+    child.allReduce(ptr(x), ptr(x), 2, F64, SUM, 0)
+    child.destroy()
+    return [first, x.tolist()]
+
+
+@pytest.mark.timeout(60)
+def test_a_second_death_during_commshrink_then_a_retry_without_it(tmp_path: Path) -> None:
+    results = _ranks(tmp_path, second_death_job, 4, op_timeout=1.5)
+    assert results[2:] == [-signal.SIGKILL] * 2
+    for first, values in results[:2]:
+        assert first in (REMOTE_ERROR, 2) and values == [3.0, 3.0]  # 2: ncclSystemError (a connection timed out)
 
 
 @pytest.mark.timeout(60)

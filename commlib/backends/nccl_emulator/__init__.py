@@ -169,7 +169,7 @@ class NcclCommunicator:
         timeout = op_timeout()
         listener = open_listener()
         try:
-            comm_id, table, ip = bootstrap(commId, ndev, rank, listener.getsockname()[1], timeout)
+            comm_id, table, ip = bootstrap(commId, ndev, rank, listener.port, timeout)
             socks = connect_mesh(comm_id, rank, table, listener, time.monotonic() + timeout)
         except BaseException:
             listener.close()

@@ -28,13 +28,13 @@ from ._launch import execute
 from ._link import Link
 from ._mailbox import Key, Mailbox, gone_error
 from ._ops import SCRATCH_MIN, AllGather
-from ._wire import Endpoint, connect_mesh, open_listener
+from ._wire import Endpoint, Listener, connect_mesh, open_listener
 
 __all__ = ["CommCore", "shrink", "split"]
 
 _OPEN, _DESTROYED, _ABORTED = "open", "destroyed", "aborted"
 _SPLIT_RECORD = struct.Struct("<qq4sH")  # color, key, IPv4, listener port
-_SHRINK_RECORD = struct.Struct("<8s4sH")  # digest of the excluded ranks, IPv4, listener port
+_SHRINK_RECORD = struct.Struct("<4sH")  # the child's listener: IPv4, port
 # Large scratch buffers are reused: fresh pages cost a page fault each (about a third of a big all-reduce).
 _SCRATCH_MIN = SCRATCH_MIN
 _SCRATCH_CAP = 256 << 20  # bytes kept per communicator at most
@@ -51,14 +51,13 @@ class CommCore:
         comm_id: int,
         socks: dict[int, socket.socket],
         ip: str,
-        listener: socket.socket,
+        listener: Listener,
         table: list[Endpoint] | None,
     ) -> None:
         self.rank, self.size, self.comm_id, self.ip = rank, size, comm_id, ip
         # The listener the mesh was made on stays open, and every rank's address is kept (``table``), so
         # that commShrink can connect the survivors to each other without any excluded (maybe dead) rank.
         self.listener, self.table = listener, table
-        self.shrinks = 0  # commShrink calls made on this communicator (each child gets its own id)
         self.mailbox = Mailbox()
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # destroy() waits here for the operations in flight
@@ -159,14 +158,6 @@ class CommCore:
     def next_collective(self) -> int:
         """The sequence number of the next collective (call order)."""
         return next(self._coll_seq)
-
-    def next_shrink_id(self) -> int:
-        """The id of the next communicator commShrink makes from this one (the same on every survivor)."""
-        with self._lock:
-            self.shrinks += 1
-            count = self.shrinks
-        digest = hashlib.blake2b(struct.pack("<QQ", self.comm_id, count) + b"shrink", digest_size=8).digest()
-        return int.from_bytes(digest, "little")
 
     def next_p2p(self, peer: int, sending: bool) -> int:
         """The sequence number of the next send to / receive from ``peer``."""
@@ -273,7 +264,7 @@ def split(parent: CommCore, color: int, key: int, timeout: float) -> CommCore | 
     """ncclCommSplit over the parent's own links: all-gather (color, key, address), then build the new mesh."""
     listener = open_listener() if color >= 0 else None
     try:
-        port = listener.getsockname()[1] if listener is not None else 0
+        port = listener.port if listener is not None else 0
         mine = np.frombuffer(_SPLIT_RECORD.pack(color, key, socket.inet_aton(parent.ip), port), np.uint8)
         everyone = np.empty(parent.size * mine.size, np.uint8)
         seq = parent.next_collective()
@@ -305,8 +296,9 @@ def shrink(parent: CommCore, exclude: list[int], abort_first: bool, timeout: flo
 
     The survivors dial each other's parent listeners: fresh connections, so that no byte of the parent's
     aborted operations can reach the child, and nothing of the parent's links (cut, or broken by a dead
-    peer) is needed. Then they all-gather on the child a digest of ``exclude`` (all must pass the same)
-    and the child's own listener, for the child's own commShrink.
+    peer) is needed. The child's id comes from the parent's and ``exclude`` alone, so survivors that retry
+    with another list after a failed attempt still meet (and ranks that pass different lists never do:
+    they time out). Then they all-gather on the child its listeners' addresses, for its own commShrink.
     """
     deadline = time.monotonic() + timeout
     if abort_first:  # NCCL_SHRINK_ABORT: the parent's operations in flight end first (the parent stays broken)
@@ -314,38 +306,34 @@ def shrink(parent: CommCore, exclude: list[int], abort_first: bool, timeout: flo
         parent.quiesce(timeout)
     members = [r for r in range(parent.size) if r not in exclude]
     where = f"commShrink (its ranks 0..{len(members) - 1} are this communicator's ranks {members})"
-    comm_id = parent.next_shrink_id()
+    digest = hashlib.blake2b(struct.pack(f"<Q{len(exclude)}q", parent.comm_id, *exclude) + b"shrink", digest_size=8)
+    comm_id = int.from_bytes(digest.digest(), "little")
     table = parent.table
     assert table is not None  # every finished communicator has its table
     try:
         new_table = [table[r] for r in members]
         socks = connect_mesh(comm_id, members.index(parent.rank), new_table, parent.listener, deadline)
     except NcclError as e:
-        raise NcclError(e.status, f"{where}: {e.detail}") from None
+        hint = " (does every rank that stays call commShrink, with the same excludeRanks?)"
+        raise NcclError(e.status, f"{where}: {e.detail}{hint}") from None
     except OSError as e:  # the parent's listener was closed: it was aborted or destroyed meanwhile
         raise NcclError(INVALID_USAGE, f"{where}: the communicator was closed meanwhile ({e})") from None
     child = CommCore(members.index(parent.rank), len(members), comm_id, socks, parent.ip, open_listener(), None)
     try:
-        child.table = _agree(child, exclude, deadline, where)
+        child.table = _addresses(child, deadline, where)
     except BaseException:
         child.abort()
         raise
     return child
 
 
-def _agree(child: CommCore, exclude: list[int], deadline: float, where: str) -> list[Endpoint]:
-    """All-gather (digest of ``exclude``, listener address) on ``child``; its address table if all agree."""
-    digest = hashlib.blake2b(struct.pack(f"<{len(exclude)}q", *exclude), digest_size=8).digest()
-    port = child.listener.getsockname()[1]
-    mine = np.frombuffer(_SHRINK_RECORD.pack(digest, socket.inet_aton(child.ip), port), np.uint8)
+def _addresses(child: CommCore, deadline: float, where: str) -> list[Endpoint]:
+    """All-gather the listener addresses of ``child``'s ranks (which also proves that every rank is there)."""
+    mine = np.frombuffer(_SHRINK_RECORD.pack(socket.inet_aton(child.ip), child.listener.port), np.uint8)
     everyone = np.empty(child.size * mine.size, np.uint8)
     seq = child.next_collective()
     child.begin()
     error = execute([AllGather(child, seq, mine, everyone)], max(deadline - time.monotonic(), 0.001))
     if error is not None:
-        raise NcclError(error.status, f"{where}: {error.detail}")
-    records = [_SHRINK_RECORD.unpack(bytes(r)) for r in everyone.reshape(child.size, -1)]
-    differ = [r for r, (theirs, _, _) in enumerate(records) if theirs != digest]
-    if differ:
-        raise NcclError(INVALID_USAGE, f"{where}: its ranks {differ} passed other excludeRanks than {exclude}")
-    return [(socket.inet_ntoa(ip), port) for _, ip, port in records]
+        raise NcclError(error.status, f"{where}: {error.detail} (does every rank that stays call commShrink?)")
+    return [(socket.inet_ntoa(ip), port) for ip, port in _SHRINK_RECORD.iter_unpack(everyone.tobytes())]
