@@ -14,11 +14,34 @@ variable ``COMMLIB_NCCL_EMULATOR_TIMEOUT`` (seconds, default 300); a failed or
 timed-out operation breaks its communicator and is reported by
 ``check_async_error()``, like an NCCL async error.
 
+Failures. A rank whose process dies (its connections end without a goodbye)
+breaks, within milliseconds, every communicator it belongs to on every other
+rank: ``check_async_error()`` raises ``NCCL_ERROR_REMOTE_ERROR`` naming it
+("rank 2 of this communicator: connection closed (process died?)"), even when
+no operation is in flight; the operations pending on any stream fail at once,
+so their events complete (the work is flushed, as after an NCCL abort), and
+later calls raise. A rank that destroyed its communicator, or aborted it, or
+whose communicator broke, only makes the operations that need it fail, naming
+it and saying which (its connections carry a goodbye or a notice first).
+``abort()`` may be called from any thread while operations are pending: it
+ends them on every stream and returns within ~50 ms. ``commShrink(excludeRanks,
+flags)`` models ncclCommShrink (NCCL 2.27+; cupy has no binding): the ranks
+that stay, and only they, make a communicator of themselves, renumbered in
+order, without a byte to or from an excluded rank (they may be dead), also
+from a broken communicator; ``NCCL_SHRINK_ABORT`` first ends the parent's
+pending operations. The child has connections of its own (each communicator
+keeps its listener and every rank's address for that), so nothing of the
+parent's aborted operations can reach it. A communicator among the survivors
+can also be made with a fresh ``get_unique_id()``; the old one may be aborted,
+destroyed (which does not wait on a dead rank) or left alone.
+
 Not NCCL: no GPU, NVLink or InfiniBand, no CUDA graphs; calls on the null
 stream (0) run synchronously in the caller; other streams do not synchronise
 implicitly with the null stream (use events); a send never needs its matching
 receive to be posted (NCCL may deadlock where the emulator does not);
-float16/bfloat16 reductions accumulate in float32; ``initAll`` accepts any
+float16/bfloat16 reductions accumulate in float32; a dead rank breaks even an
+idle communicator at once, and a rank's abort is told to its peers (NCCL may
+only find out when an operation needs that rank); ``initAll`` accepts any
 device ids; creating a communicator blocks at once, even inside a group;
 ``Event.done`` and ``Stream.done`` may wait up to 1 ms for pending work before
 they answer False (the emulated device needs the host's GIL to make progress);
@@ -29,29 +52,16 @@ reader threads would otherwise hold the other threads up to 5 ms a message).
 from __future__ import annotations
 
 import contextlib
-import operator
 import sys
 import threading
 import time
 
-import numpy as np
-
-from ._comm import CommCore, split
+from ._args import dtype_of, exclusions, host, index, reduction, size_t, stream_of
+from ._comm import CommCore, shrink, split
 from ._errors import INVALID_ARGUMENT, NcclError, check_status, op_timeout
 from ._launch import group_end, group_start, submit
-from ._ops import (
-    DTYPES,
-    REDOPS,
-    AllGather,
-    AllReduce,
-    Broadcast,
-    Op,
-    PointToPoint,
-    Reduce,
-    ReduceScatter,
-    host_array,
-)
-from ._streams import Stream, cuda, resolve_stream
+from ._ops import AllGather, AllReduce, Broadcast, Op, PointToPoint, Reduce, ReduceScatter
+from ._streams import Stream, cuda
 from ._wire import bootstrap, connect_mesh, new_unique_id, open_listener
 
 __all__ = [
@@ -72,6 +82,8 @@ __all__ = [
     "NCCL_MAX",
     "NCCL_MIN",
     "NCCL_PROD",
+    "NCCL_SHRINK_ABORT",
+    "NCCL_SHRINK_DEFAULT",
     "NCCL_SUM",
     "NCCL_UINT32",
     "NCCL_UINT64",
@@ -107,6 +119,9 @@ NCCL_FLOAT64 = NCCL_DOUBLE = 8
 NCCL_BFLOAT16 = 9
 
 _SPLIT_NOCOLOR = -1  # NCCL_SPLIT_NOCOLOR in nccl.h (cupy does not export it)
+# ncclCommShrink's flags (nccl.h, NCCL 2.27+; cupy has no commShrink): shrink as is, or first abort the
+# parent's operations in flight.
+NCCL_SHRINK_DEFAULT, NCCL_SHRINK_ABORT = 0x00, 0x01
 _VERSION = 22105  # NCCL 2.21.5 in NCCL's encoding (major*10000 + minor*100 + patch): what the emulator mimics
 
 
@@ -142,68 +157,24 @@ class NcclConfig:
         self.split_share = split_share
 
 
-def _index(value: object, name: str) -> int:
-    """An integer argument, converted like Cython does (TypeError for non-integers)."""
-    if type(value) is int:  # the common case, without a call
-        return value
-    try:
-        return operator.index(value)  # type: ignore[arg-type]  # what __index__ accepts is the point of the call
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-
-
-def _size_t(value: object, name: str) -> int:
-    number = _index(value, name)
-    if number < 0:
-        raise OverflowError(f"can't convert negative value to size_t ({name}={number})")
-    return number
-
-
-def _dtype(datatype: object) -> np.dtype:
-    dtype = DTYPES.get(_index(datatype, "datatype"))
-    if dtype is None:
-        raise NcclError(INVALID_ARGUMENT, f"datatype {datatype} is not an NCCL datatype")
-    return dtype
-
-
-def _redop(op: object) -> int:
-    code = _index(op, "op")
-    if code not in REDOPS:
-        raise NcclError(INVALID_ARGUMENT, f"op {op} is not an NCCL reduction")
-    return code
-
-
-def _stream(stream: object) -> Stream:
-    try:
-        return resolve_stream(_index(stream, "stream"))
-    except KeyError:
-        raise NcclError(INVALID_ARGUMENT, f"stream {stream:#x} is not a live emulated stream") from None
-
-
-def _host(ptr: object, count: int, dtype: np.dtype, name: str) -> np.ndarray:
-    address = _index(ptr, name)
-    if address == 0 and count > 0:
-        raise NcclError(INVALID_ARGUMENT, f"{name} is NULL")
-    return host_array(address, count, dtype)
-
-
 class NcclCommunicator:
     """An EMULATED NCCL communicator (cupy.cuda.nccl.NcclCommunicator's API) for host memory and TCP."""
 
     def __init__(self, ndev: int, commId: bytes, rank: int, config: NcclConfig | None = None) -> None:
         self._core: CommCore | None = None
         self._device = cuda.runtime.getDevice()
-        ndev, rank = _index(ndev, "ndev"), _index(rank, "rank")
+        ndev, rank = index(ndev, "ndev"), index(rank, "rank")
         if ndev < 1 or not 0 <= rank < ndev:
             raise NcclError(INVALID_ARGUMENT, f"rank {rank} is not in a world of ndev={ndev}")
         timeout = op_timeout()
         listener = open_listener()
         try:
-            comm_id, table, ip = bootstrap(commId, ndev, rank, listener.getsockname()[1], timeout)
+            comm_id, table, ip = bootstrap(commId, ndev, rank, listener.port, timeout)
             socks = connect_mesh(comm_id, rank, table, listener, time.monotonic() + timeout)
-        finally:
+        except BaseException:
             listener.close()
-        self._core = CommCore(rank, ndev, comm_id, socks, ip)
+            raise
+        self._core = CommCore(rank, ndev, comm_id, socks, ip, listener, table)  # keeps the listener (commShrink)
 
     @classmethod
     def _wrap(cls, core: CommCore, device: int) -> NcclCommunicator:
@@ -300,7 +271,7 @@ class NcclCommunicator:
         submit(op, stream, op_timeout())
 
     def _root(self, core: CommCore, root: object, name: str = "root") -> int:
-        value = _index(root, name)
+        value = index(root, name)
         if not 0 <= value < core.size:
             raise NcclError(INVALID_ARGUMENT, f"{name} {value} is not a rank of a communicator of size {core.size}")
         return value
@@ -308,29 +279,29 @@ class NcclCommunicator:
     def _common(self, count: object, datatype: object, stream: object, name: str = "count") -> tuple:
         """Validate what every operation takes: (core, count, dtype, stream)."""
         core = self._usable()
-        return core, _size_t(count, name), _dtype(datatype), _stream(stream)
+        return core, size_t(count, name), dtype_of(datatype), stream_of(stream)
 
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
         """Enqueue ncclAllReduce on ``stream`` (in place when sendbuf == recvbuf)."""
         core, count, dtype, s = self._common(count, datatype, stream)
-        redop = _redop(op)
-        src, dst = _host(sendbuf, count, dtype, "sendbuf"), _host(recvbuf, count, dtype, "recvbuf")
+        redop = reduction(op)
+        src, dst = host(sendbuf, count, dtype, "sendbuf"), host(recvbuf, count, dtype, "recvbuf")
         self._submit(AllReduce(core, core.next_collective(), src, dst, redop), s)
 
     def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int, stream: int) -> None:
         """Enqueue ncclReduce on ``stream`` (recvbuf is written on ``root`` only)."""
         core, count, dtype, s = self._common(count, datatype, stream)
-        redop, root = _redop(op), self._root(core, root)
-        src = _host(sendbuf, count, dtype, "sendbuf")
-        dst = _host(recvbuf, count, dtype, "recvbuf") if core.rank == root else src
+        redop, root = reduction(op), self._root(core, root)
+        src = host(sendbuf, count, dtype, "sendbuf")
+        dst = host(recvbuf, count, dtype, "recvbuf") if core.rank == root else src
         self._submit(Reduce(core, core.next_collective(), src, dst, redop, root), s)
 
     def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int, stream: int) -> None:
         """Enqueue ncclBroadcast on ``stream`` (sendbuff is read on ``root`` only)."""
         core, count, dtype, s = self._common(count, datatype, stream)
         root = self._root(core, root)
-        dst = _host(recvbuff, count, dtype, "recvbuff")
-        src = _host(sendbuff, count, dtype, "sendbuff") if core.rank == root else dst
+        dst = host(recvbuff, count, dtype, "recvbuff")
+        src = host(sendbuff, count, dtype, "sendbuff") if core.rank == root else dst
         self._submit(Broadcast(core, core.next_collective(), src, dst, root), s)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
@@ -340,35 +311,56 @@ class NcclCommunicator:
     def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int) -> None:
         """Enqueue ncclReduceScatter on ``stream`` (sendbuf holds size() * recvcount elements)."""
         core, count, dtype, s = self._common(recvcount, datatype, stream, "recvcount")
-        redop = _redop(op)
-        src, dst = _host(sendbuf, count * core.size, dtype, "sendbuf"), _host(recvbuf, count, dtype, "recvbuf")
+        redop = reduction(op)
+        src, dst = host(sendbuf, count * core.size, dtype, "sendbuf"), host(recvbuf, count, dtype, "recvbuf")
         self._submit(ReduceScatter(core, core.next_collective(), src, dst, redop), s)
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
         """Enqueue ncclAllGather on ``stream`` (recvbuf holds size() * count elements)."""
         core, count, dtype, s = self._common(count, datatype, stream)
-        src, dst = _host(sendbuf, count, dtype, "sendbuf"), _host(recvbuf, count * core.size, dtype, "recvbuf")
+        src, dst = host(sendbuf, count, dtype, "sendbuf"), host(recvbuf, count * core.size, dtype, "recvbuf")
         self._submit(AllGather(core, core.next_collective(), src, dst), s)
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         """Enqueue ncclSend to ``peer`` on ``stream``."""
         core, count, dtype, s = self._common(count, datatype, stream)
         peer = self._root(core, peer, "peer")
-        src = _host(sendbuf, count, dtype, "sendbuf")
+        src = host(sendbuf, count, dtype, "sendbuf")
         self._submit(PointToPoint(core, core.next_p2p(peer, sending=True), src, peer, sending=True), s)
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         """Enqueue ncclRecv from ``peer`` on ``stream``."""
         core, count, dtype, s = self._common(count, datatype, stream)
         peer = self._root(core, peer, "peer")
-        dst = _host(recvbuf, count, dtype, "recvbuf")
+        dst = host(recvbuf, count, dtype, "recvbuf")
         self._submit(PointToPoint(core, core.next_p2p(peer, sending=False), dst, peer, sending=False), s)
 
     def commSplit(self, color: int, key: int, config: NcclConfig | None = None) -> NcclCommunicator | None:
         """Split collectively: ranks of equal ``color`` form a communicator ordered by (key, rank); -1 gets None."""
         core = self._usable()
-        color, key = _index(color, "color"), _index(key, "key")
+        color, key = index(color, "color"), index(key, "key")
         if color < _SPLIT_NOCOLOR:
             raise NcclError(INVALID_ARGUMENT, f"color must be >= 0 or NCCL_SPLIT_NOCOLOR (-1), got {color}")
         child = split(core, color, key, op_timeout())
         return None if child is None else NcclCommunicator._wrap(child, self._device)
+
+    def commShrink(
+        self, excludeRanks: list[int], flags: int = NCCL_SHRINK_DEFAULT, config: NcclConfig | None = None
+    ) -> NcclCommunicator:
+        """ncclCommShrink: a new communicator of the ranks not in ``excludeRanks``, renumbered in order.
+
+        Called by every rank that stays, and by no excluded one (that one gets INVALID_ARGUMENT); it never
+        talks to an excluded rank, so it works when this communicator is broken because one of them died.
+        ``flags=NCCL_SHRINK_ABORT`` first ends this communicator's operations in flight (it stays broken).
+        A rank that stays but never calls makes the others fail after the emulator's timeout. Like a split,
+        the new communicator has connections of its own.
+        """
+        core = self._open()
+        exclude = exclusions(excludeRanks, core.rank, core.size)
+        flags = index(flags, "flags")
+        if flags not in (NCCL_SHRINK_DEFAULT, NCCL_SHRINK_ABORT):
+            raise NcclError(
+                INVALID_ARGUMENT, f"flags must be NCCL_SHRINK_DEFAULT (0) or NCCL_SHRINK_ABORT (1), got {flags}"
+            )
+        child = shrink(core, exclude, flags == NCCL_SHRINK_ABORT, op_timeout())
+        return NcclCommunicator._wrap(child, self._device)

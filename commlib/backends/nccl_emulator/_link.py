@@ -13,6 +13,13 @@ each process, which on a small machine was most of the latency. While such
 waiters read, the receiver thread rests, so that it is not woken by their
 frames; it drains the socket again ``_REST`` after the last of them, or at
 once when a thread blocks in ``Mailbox.wait`` for this peer (``wanted``).
+
+How a connection ends tells what happened to the peer. After a goodbye
+(``BYE``: it destroyed its communicator) or an abort notice (``ABORTED``,
+carrying why: it aborted, or its communicator broke), the peer is gone, and
+only the operations that need it fail, as with NCCL. An end of the stream
+without either (EOF, a reset) means that the peer's process died (or the
+network failed): ``on_lost`` breaks the communicator at once.
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import REMOTE_ERROR, NcclError
-from ._mailbox import Key, Mailbox
+from ._errors import NcclError
+from ._mailbox import Key, Mailbox, gone_error
 from ._reader import HEADER, Reader
 
 _UNSENT: tuple[Any, int] | None  # (ioctl, TIOCOUTQ): ask a socket how many bytes the peer has not acknowledged
@@ -43,15 +50,16 @@ except ImportError:  # no such query here: every operation goes through its stre
     _UNSENT = None
 
 
-__all__ = ["BYE", "COLL", "P2P", "Link"]
+__all__ = ["ABORTED", "BYE", "COLL", "P2P", "Link"]
 
-# Message kinds.
-COLL, P2P, BYE = 1, 2, 3
+# Message kinds: an operation's data, a goodbye (destroy), a notice that the sender cut the link (why, in UTF-8).
+COLL, P2P, BYE, ABORTED = 1, 2, 3, 4
+_NOTICE_MAX = 4096  # bytes of an abort notice's reason, at most
 _SMALL = 1 << 16  # payloads up to this are sent with their header in one write
 _LINGER = 10.0  # seconds a destroyed link waits for the peer's goodbye before cutting it
 _REST = 0.01  # seconds the receiver thread leaves the socket to waiters after the last one read
-_SLICE = 0.05  # longest sleep of a waiting reader between looks at whether it should stop
-_ENDED = "closed the connection without destroying its communicator (exited or aborted?)"
+_SLICE = 0.02  # longest sleep of a waiting reader between looks at whether it should stop
+_CLOSED = "connection closed (process died?)"  # EOF or a reset without a goodbye: what a killed process leaves
 
 
 #: The GIL switch interval while an emulated communicator is open (seconds; CPython's default: 5 ms). A reader
@@ -61,18 +69,27 @@ _SWITCH = 0.0005
 
 
 class _Ended(Exception):
-    """The connection is over (EOF, an error, or a protocol violation); ``why`` says how, for the mailbox."""
+    """The connection is over (EOF, an error, or a protocol violation); ``why`` says how, for the mailbox.
 
-    def __init__(self, why: str) -> None:
+    ``remote``: the far side ended it (died, or cut it), so every other rank sees it end too; else this
+    side found the peer's frames wrong, and the other ranks have to be told.
+    """
+
+    def __init__(self, why: str, remote: bool = True) -> None:
         super().__init__(why)
-        self.why = why
+        self.why, self.remote = why, remote
 
 
 class Link:
     """The TCP connection to one peer: framed sends under a lock, reads under the read role."""
 
-    def __init__(self, sock: socket.socket, peer: int, comm_id: int, mailbox: Mailbox) -> None:
+    def __init__(
+        self, sock: socket.socket, peer: int, comm_id: int, mailbox: Mailbox, on_lost: Callable[[int, str, bool], None]
+    ) -> None:
         self.peer = peer
+        self._on_lost = on_lost  # told (peer, why, remote) once if the connection ends without a goodbye
+        self._farewell = False  # the peer said goodbye or sent an abort notice: the end of its stream is expected
+        self._lost_told = False
         self._sock = sock
         self._comm_id = comm_id
         self._mailbox = mailbox
@@ -95,6 +112,9 @@ class Link:
         if sys.getswitchinterval() > _SWITCH:
             sys.setswitchinterval(_SWITCH)
         self._thread = threading.Thread(target=self._receive_loop, name=f"nccl-emulator-rx-{peer}", daemon=True)
+
+    def start(self) -> None:
+        """Start the receiver thread (once the communicator is ready to hear that the peer is lost)."""
         self._thread.start()
 
     # --- sending ---
@@ -114,8 +134,7 @@ class Link:
         except OSError as exc:
             if self._mailbox.error is not None:
                 raise self._mailbox.failure() from exc
-            why = self._mailbox.gone(self.peer) or f"is unreachable ({exc})"
-            raise NcclError(REMOTE_ERROR, f"sending to rank {self.peer}: rank {self.peer} {why}") from exc
+            raise gone_error(self.peer, self._mailbox.gone(self.peer) or _lost(exc)) from exc
 
     def can_send_now(self) -> bool:
         """Whether a small frame would go out at once: no send in progress, and the peer keeps up.
@@ -155,7 +174,7 @@ class Link:
             while self._reader.has_header() and self._ended is None:
                 self._handle_frame()
         except _Ended as end:
-            self._end(end.why)
+            self._end(end)
         finally:
             self._read_at = time.monotonic()
             self._rx.release()
@@ -191,9 +210,9 @@ class Link:
                 # In slices: stop() may turn true without a byte arriving.
                 self._waiter_poll.poll(1000 * (_SLICE if until is None else min(_SLICE, until - now)))
         except EOFError:
-            raise _Ended(_ENDED) from None
+            raise _Ended(_CLOSED) from None
         except (OSError, ValueError) as exc:  # ValueError: the socket was closed
-            raise _Ended(f"connection error: {exc}") from None
+            raise _Ended(_lost(exc)) from None
         return True
 
     def _handle_frame(self) -> None:
@@ -201,11 +220,19 @@ class Link:
         try:
             comm_id, kind, tag, seq, nbytes = self._reader.header()
             if comm_id != self._comm_id:
-                raise _Ended(f"sent a frame of another communicator ({comm_id:#x}): protocol error")
+                raise _Ended(f"sent a frame of another communicator ({comm_id:#x}): protocol error", remote=False)
             if kind == BYE:
+                self._farewell = True
                 self._mailbox.peer_gone(self.peer, "destroyed its communicator")
                 self._answer_goodbye()
                 return
+            if kind == ABORTED:
+                if nbytes > _NOTICE_MAX:
+                    raise _Ended(f"sent an abort notice of {nbytes} bytes: protocol error", remote=False)
+                notice = bytearray(nbytes)
+                self._reader.read_into(memoryview(notice))
+                self._farewell = True
+                raise _Ended(notice.decode(errors="replace"))
             key = (kind, seq, tag)
             target = self._mailbox.take_posted(self.peer, key, nbytes)
             if target is not None:
@@ -216,20 +243,25 @@ class Link:
                 self._reader.read_into(memoryview(buf))  # type: ignore[arg-type]  # arrays are buffers
                 self._mailbox.store_early(self.peer, key, buf)
         except EOFError:
-            raise _Ended(_ENDED) from None
+            raise _Ended(_CLOSED) from None
         except OSError as exc:
-            raise _Ended(f"connection error: {exc}") from None
-        except NcclError:  # a size mismatch: the mailbox is failed already
-            raise _Ended(_ENDED) from None
+            raise _Ended(_lost(exc)) from None
+        except NcclError as exc:  # a size mismatch: the mailbox is failed already
+            raise _Ended(f"sent a message this rank did not expect ({exc.detail})", remote=False) from None
 
-    def _end(self, why: str) -> None:
-        """The connection is over: tell the mailbox (first reason wins), and make the receiver thread close it."""
-        if self._ended is None:
-            self._ended = why
+    def _end(self, end: _Ended) -> None:
+        """The connection is over: tell the communicator if the peer is lost, then the mailbox (first reason
+        wins), and make the receiver thread close it."""
+        with self._rest:
+            if self._ended is None:
+                self._ended = end.why
+            tell = not (self._farewell or self._lost_told)
+            self._lost_told = True
+            self._rest.notify()
+        if tell:  # first, so that the communicator's error is what every pending operation fails with
+            self._on_lost(self.peer, self._ended, end.remote)
         self._mailbox.peer_gone(self.peer, self._ended)
         self.cut()  # after a protocol error the socket is still open: the peer must see it end
-        with self._rest:
-            self._rest.notify()
 
     def _receive_loop(self) -> None:
         try:
@@ -245,13 +277,13 @@ class Link:
                     if self._reader.has_header() or self._reader.fill_nowait():
                         self._handle_frame()
                 except EOFError:
-                    raise _Ended(_ENDED) from None
+                    raise _Ended(_CLOSED) from None
                 finally:
                     self._rx.release()
         except _Ended as end:
-            self._end(end.why)
+            self._end(end)
         except OSError as exc:
-            self._end(f"connection error: {exc}")
+            self._end(_Ended(_lost(exc)))
         finally:
             with self._rx:  # a waiter may be blocked in poll on it: close only once it is out
                 self._sock.close()
@@ -280,11 +312,31 @@ class Link:
         self._linger.daemon = True
         self._linger.start()
 
-    def cut(self) -> None:
-        """Abortive close: wakes every reader and sender at once; the receiver thread closes the socket."""
+    def cut(self, notice: str | None = None, until: float = 0.0) -> None:
+        """Abortive close: wakes every reader and sender at once; the receiver thread closes the socket.
+
+        ``notice`` (how the peer should describe this rank, e.g. "aborted its communicator") is sent
+        first if the frame being sent is done by ``until`` (monotonic) and the socket takes it at once:
+        else the peer sees the connection close as if this process had died.
+        """
+        if notice is not None and self._send_lock.acquire(timeout=max(until - time.monotonic(), 0.0)):
+            try:
+                payload = notice.encode()[:_NOTICE_MAX]
+                frame = HEADER.pack(self._comm_id, ABORTED, 0, 0, len(payload)) + payload
+                with contextlib.suppress(OSError):  # a partial notice reads as a closed connection: fine
+                    self._sock.send(frame, socket.MSG_DONTWAIT)
+            finally:
+                self._send_lock.release()
         with contextlib.suppress(OSError):  # already shut down or closed
             self._sock.shutdown(socket.SHUT_RDWR)
 
     def _answer_goodbye(self) -> None:
         with contextlib.suppress(OSError), self._send_lock:
             self._sock.shutdown(socket.SHUT_WR)
+
+
+def _lost(exc: BaseException) -> str:
+    """How a connection that raised ``exc`` ended, in the words of ``gone_error``."""
+    if isinstance(exc, ConnectionResetError | BrokenPipeError):  # a killed process with unread data resets
+        return _CLOSED
+    return f"connection error ({exc})"

@@ -21,10 +21,15 @@ import numpy as np
 
 from ._errors import INVALID_USAGE, REMOTE_ERROR, NcclError
 
-__all__ = ["Key", "Mailbox", "Slot", "Watcher"]
+__all__ = ["Key", "Mailbox", "Slot", "Watcher", "gone_error"]
 
 Key = tuple[int, int, int]  # (kind, sequence, tag)
 Slot = tuple[int, Key]  # (peer, key)
+
+
+def gone_error(peer: int, why: str) -> NcclError:
+    """The error of an operation (or a communicator) that needs ``peer``, which can no longer send: ``why``."""
+    return NcclError(REMOTE_ERROR, f"rank {peer} of this communicator: {why}")
 
 
 class Watcher(Protocol):
@@ -159,7 +164,7 @@ class Mailbox:
             return self.failure()
         for peer, _ in unfilled:
             if peer in self._gone:
-                return NcclError(REMOTE_ERROR, f"rank {peer} {self._gone[peer]}")
+                return gone_error(peer, self._gone[peer])
         if expired:
             peer, key = unfilled[0]
             return NcclError(REMOTE_ERROR, f"timed out waiting for rank {peer} (message {key})")
@@ -173,7 +178,7 @@ class Mailbox:
                 if self.error is not None:
                     raise self.failure()
                 if peer in self._gone:
-                    raise NcclError(REMOTE_ERROR, f"rank {peer} {self._gone[peer]}")
+                    raise gone_error(peer, self._gone[peer])
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise NcclError(REMOTE_ERROR, f"timed out waiting for rank {peer} (message {key})")
@@ -199,7 +204,7 @@ class Mailbox:
                 del self._watching[watcher]
             self._wake()
         for watcher in hit:
-            watcher.failed(NcclError(REMOTE_ERROR, f"rank {peer} {why}"))
+            watcher.failed(gone_error(peer, why))
 
     def gone(self, peer: int) -> str | None:
         """Why ``peer`` can no longer send, or None."""

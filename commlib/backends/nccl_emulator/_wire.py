@@ -26,7 +26,16 @@ from commlib._sockets import recv_exact
 
 from ._errors import INVALID_ARGUMENT, INVALID_USAGE, SYSTEM_ERROR, NcclError
 
-__all__ = ["ID_BYTES", "Endpoint", "bootstrap", "connect_mesh", "decode_id", "new_unique_id", "open_listener"]
+__all__ = [
+    "ID_BYTES",
+    "Endpoint",
+    "Listener",
+    "bootstrap",
+    "connect_mesh",
+    "decode_id",
+    "new_unique_id",
+    "open_listener",
+]
 
 ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 _MAGIC = b"cNE1"  # "commlib NCCL emulator", format 1
@@ -37,6 +46,7 @@ _TABLE_HEAD = struct.Struct("<BQ")  # status, communicator id
 _HELLO = struct.Struct("<4sQi")  # magic, communicator id, rank: the first bytes on every mesh connection
 _LOOPBACK = "127.0.0.1"
 _RETRY_DELAY = 0.02  # between connection attempts to a listener that is not up yet
+_PARKED_MAX = 64  # connections a listener keeps for communicators it does not accept for yet
 
 # Root replies (the status byte before the table).
 _OK, _BAD_SECRET, _BAD_SIZE, _BAD_RANK, _TIMED_OUT = 0, 1, 2, 3, 4
@@ -83,7 +93,7 @@ def root_address() -> str:
     return ip if not ipaddress.ip_address(ip).is_loopback and _is_local_address(ip) else _LOOPBACK
 
 
-def open_listener() -> socket.socket:
+def _listening_socket() -> socket.socket:
     """A listening TCP socket on all interfaces and an ephemeral port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("0.0.0.0", 0))
@@ -91,10 +101,60 @@ def open_listener() -> socket.socket:
     return sock
 
 
+class Listener:
+    """A communicator's data listener: ``connect_mesh`` accepts its peers there, and the communicator keeps
+    it open for commShrink.
+
+    A connection that says hello for another communicator is parked for it, not dropped: a rank that starts
+    a commShrink first may dial while this one still accepts for an earlier attempt (or for another child).
+    """
+
+    def __init__(self) -> None:
+        self.sock = _listening_socket()
+        self.port: int = self.sock.getsockname()[1]
+        self._lock = threading.Lock()  # close() may come from another thread (abort)
+        self._parked: dict[int, dict[int, socket.socket]] = {}  # communicator id -> rank -> connection
+        self._closed = False
+
+    def accept(self, timeout: float) -> socket.socket:
+        """The next connection (TimeoutError after ``timeout`` seconds; OSError once closed)."""
+        self.sock.settimeout(timeout)
+        return self.sock.accept()[0]
+
+    def park(self, comm_id: int, rank: int, conn: socket.socket) -> None:
+        """Keep ``conn``, which said hello as ``rank`` of communicator ``comm_id``, for a later connect_mesh."""
+        with self._lock:
+            parked = sum(len(v) for v in self._parked.values())
+            if self._closed or parked >= _PARKED_MAX or rank in self._parked.get(comm_id, {}):
+                conn.close()  # a stray, or too many: the dialer times out or fails on the closed connection
+                return
+            self._parked.setdefault(comm_id, {})[rank] = conn
+
+    def take(self, comm_id: int) -> dict[int, socket.socket]:
+        """The connections parked for communicator ``comm_id`` (rank -> connection), no longer parked."""
+        with self._lock:
+            return self._parked.pop(comm_id, {})
+
+    def close(self) -> None:
+        """Stop listening and close the parked connections."""
+        with self._lock:
+            self._closed = True
+            parked, self._parked = self._parked, {}
+        self.sock.close()
+        for conns in parked.values():
+            for conn in conns.values():
+                conn.close()
+
+
+def open_listener() -> Listener:
+    """A communicator's data listener (see ``Listener``)."""
+    return Listener()
+
+
 def new_unique_id(timeout: float) -> bytes:
     """Start a bootstrap root thread for one world; return the 128-byte id naming it."""
     ip = root_address()
-    listener = open_listener()
+    listener = _listening_socket()
     secret = secrets.token_bytes(16)
     args = (listener, secret, timeout)
     threading.Thread(target=_serve_root, args=args, name="nccl-emulator-root", daemon=True).start()
@@ -215,32 +275,35 @@ def bootstrap(comm_id: object, nranks: int, rank: int, listen_port: int, timeout
 
 
 def connect_mesh(
-    comm_id: int, rank: int, table: list[Endpoint], listener: socket.socket, deadline: float
+    comm_id: int, rank: int, table: list[Endpoint], listener: Listener, deadline: float
 ) -> dict[int, socket.socket]:
-    """Connect every pair of ranks once: dial the lower ranks, accept the higher ones. Closes ``listener``."""
+    """Connect every pair of ranks once: dial the lower ranks, accept the higher ones on ``listener`` (left open:
+    the communicator keeps it for commShrink)."""
     peers: dict[int, socket.socket] = {}
     try:
         for peer in range(rank):  # dialing never waits for the peer: the kernel's backlog completes it
             sock = _connect(table[peer], deadline, f"rank {peer}")
             sock.sendall(_HELLO.pack(_MAGIC, comm_id, rank))
             peers[peer] = sock
+        for peer, conn in listener.take(comm_id).items():  # they dialed while this rank accepted for another
+            if rank < peer < len(table) and peer not in peers:
+                peers[peer] = conn
+            else:
+                conn.close()
         while len(peers) < len(table) - 1:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(len(table))) - set(peers) - {rank})
                 raise NcclError(SYSTEM_ERROR, f"timed out waiting for ranks {missing} to connect")
-            listener.settimeout(remaining)
             try:
-                conn, _ = listener.accept()
+                conn = listener.accept(remaining)
             except TimeoutError:
                 continue
-            _accept_peer(conn, comm_id, rank, len(table), peers, deadline)
+            _accept_peer(conn, comm_id, rank, len(table), peers, deadline, listener)
     except BaseException:
         for sock in peers.values():
             sock.close()
         raise
-    finally:
-        listener.close()
     for sock in peers.values():
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small messages must not wait for acks
@@ -248,16 +311,27 @@ def connect_mesh(
 
 
 def _accept_peer(
-    conn: socket.socket, comm_id: int, rank: int, size: int, peers: dict[int, socket.socket], deadline: float
+    conn: socket.socket,
+    comm_id: int,
+    rank: int,
+    size: int,
+    peers: dict[int, socket.socket],
+    deadline: float,
+    listener: Listener,
 ) -> None:
-    """Keep ``conn`` if it says hello as a higher rank of this communicator; drop it otherwise."""
+    """Keep ``conn`` if it says hello as a higher rank of this communicator, park it if it says hello for
+    another one; drop it otherwise."""
     conn.settimeout(min(max(deadline - time.monotonic(), 0.001), 10.0))  # a silent stray must not stall us
     try:
         magic, their_id, peer = _HELLO.unpack(recv_exact(conn, _HELLO.size))
     except (OSError, struct.error):
         conn.close()
         return
-    if magic != _MAGIC or their_id != comm_id or not rank < peer < size or peer in peers:
+    if magic != _MAGIC:
         conn.close()
-        return
-    peers[peer] = conn
+    elif their_id != comm_id:
+        listener.park(their_id, peer, conn)
+    elif not rank < peer < size or peer in peers:
+        conn.close()
+    else:
+        peers[peer] = conn
