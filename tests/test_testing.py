@@ -321,13 +321,21 @@ def test_a_script_without_a_main_guard_gets_an_error_not_workers_without_end(tmp
 # -- warm ranks: one job serves call after call --------------------------------------------------------------
 
 
-def _pid_and_marker() -> tuple[int, str | None, str]:
-    """This rank's pid, then what an earlier call may have left behind (it must not be seen)."""
+def _pid_and_marker() -> tuple[int, str | None, bool]:
+    """This rank's pid, then what an earlier call may have left behind (it must not be seen): a variable of the
+    environment, a warning filter."""
+    import warnings
+
     seen = os.environ.get("COMMLIB_TEST_LEFT_BEHIND")
+    filtered = any(f[0] == "error" and f[2] is UserWarning for f in warnings.filters)
+    warnings.simplefilter("error", UserWarning)
+    return os.getpid(), seen, filtered
+
+
+def _change_the_environment(where: str) -> int:
     os.environ["COMMLIB_TEST_LEFT_BEHIND"] = "yes"
-    cwd = os.getcwd()
-    os.chdir("/")
-    return os.getpid(), seen, cwd
+    os.chdir(where)
+    return os.getpid()
 
 
 def _implicit_commlib_world(destroy: bool) -> tuple[int, bool, float]:
@@ -388,8 +396,7 @@ def test_warm_ranks_serve_call_after_call_each_as_in_a_new_process() -> None:
         first = run(_pid_and_marker, 2)
         second = run(_pid_and_marker, 2)
         assert [pid for pid, _, _ in first] == [pid for pid, _, _ in second]  # the same processes
-        assert [seen for _, seen, _ in second] == [None, None]  # the environment was put back
-        assert [cwd for _, _, cwd in second] == [os.getcwd()] * 2  # and the working directory
+        assert [(seen, filtered) for _, seen, filtered in second] == [(None, False)] * 2  # filters put back
         other = run(_pid_and_marker, 2, env={"COMMLIB_TEST_VAR": "another environment"})
         assert {pid for pid, _, _ in other}.isdisjoint(pid for pid, _, _ in first)  # a job of its own
         three = run(_pid_and_marker, 3)
@@ -420,15 +427,21 @@ def test_warm_ranks_fresh_inside_and_argument_errors() -> None:
 def test_a_warm_rank_that_cannot_be_put_back_retires() -> None:
     with warm_ranks():
         pools = commlib.testing._warm.pools
+        changed = run(_change_the_environment, 2, "/")
+        after_change = run(_pid_and_marker, 2)
+        assert set(changed).isdisjoint(pid for pid, _, _ in after_change)
+        assert [seen for _, seen, _ in after_change] == [None, None]
         thread = run(_leave_a_thread, 2)
         after_thread = run(_pid_and_marker, 2)
         assert set(thread).isdisjoint(pid for pid, _, _ in after_thread)
         patched = run(_patch_commlib, 2)
         after_patch = run(_pid_and_marker, 2)
         assert set(patched).isdisjoint(pid for pid, _, _ in after_patch)
-        assert [why for _, ranks in pools.retired for why in ranks.values()] == [
-            "non-daemon threads still running: Thread-1 (sleep)"
-        ] * 2 + ["rebound: commlib.get_rank"] * 2
+        assert [why for _, ranks in pools.retired for why in ranks.values()] == (
+            ["environment changed: COMMLIB_TEST_LEFT_BEHIND, (the working directory)"] * 2
+            + ["non-daemon threads still running: Thread-1 (sleep)"] * 2
+            + ["rebound: commlib.get_rank"] * 2
+        )
 
 
 @pytest.mark.slow

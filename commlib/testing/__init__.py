@@ -167,7 +167,7 @@ _warm = _Warm()
 
 
 @contextlib.contextmanager
-def warm_ranks(max_ranks: int = 12) -> Iterator[Any]:
+def warm_ranks(max_ranks: int = 20, max_memory: float = 6.0) -> Iterator[Any]:
     """Inside: :func:`run` reuses one job of warm ranks per (world size, environment, working directory).
 
     The ranks of a warm job run one function after another: each function's module is imported once (torch
@@ -180,22 +180,23 @@ def warm_ranks(max_ranks: int = 12) -> Iterator[Any]:
     a new one. A job is never reused after a failure, a timeout or a kill: the failure is reported as for a
     fresh job (each rank's traceback, stack dumps of the ranks killed at the deadline), and the job ends.
 
-    ``max_ranks``: idle jobs are stopped (least recently used first) to keep at most this many warm ranks.
-    Every job is stopped when the block ends. The block's value counts the calls, the jobs started and the
+    ``max_ranks``, ``max_memory``: idle jobs are stopped (least recently used first) to keep at most this many
+    warm ranks, using at most this many GiB of memory (resident) in all (but the job last used).
+    Every job is stopped when the block ends; a block inside another (or inside :func:`fresh_ranks`) has jobs of
+    its own. The block's value counts the calls, the jobs started and the
     jobs that could not be reused (``calls``, ``started``, ``retired``). Use :func:`fresh_ranks` for calls that
     need processes of their own: a function that tests what a process decides once (at import, on first use),
     or how a program ends.
     """
     from commlib.testing._pool import Pools
 
-    if _warm.pools is not None:  # nested: the outer block's jobs serve
-        yield _warm.pools
-        return
-    _warm.pools = Pools(max_ranks)
+    outer = _warm.pools, _warm.fresh  # a block inside another (or inside fresh_ranks()) has jobs of its own
+    pools = _warm.pools = Pools(max_ranks, int(max_memory * 2**30))
+    _warm.fresh = False
     try:
-        yield _warm.pools
+        yield pools
     finally:
-        pools, _warm.pools = _warm.pools, None
+        _warm.pools, _warm.fresh = outer
         pools.close()
 
 

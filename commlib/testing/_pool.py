@@ -53,10 +53,13 @@ from commlib.testing import (
 
 __all__ = ["Pool", "Pools", "run_warm"]
 
-#: After this many calls a job is replaced: each default group a function makes leaves MPI communicators
-#: behind (the world's duplicates are never freed), and MPICH has about 2000 of them.
-MAX_CALLS = 200
+#: After this many calls a job is replaced: each default group a function makes leaves things behind that
+#: destroy_process_group() does not free (at 35ebcf2: the world's two MPI duplicates, of MPICH's ~2000
+#: communicators; on world rank 0 the job monitor's store server, a thread and 4 descriptors; on the nccl
+#: emulator ~5 threads and a few sockets per rank).
+MAX_CALLS = 50
 RESET, STOP, NOTIFY = "reset", "stop", "notify"
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def bell_path(job_dir: Path, rank: int) -> Path:
@@ -82,6 +85,7 @@ class Pool:
         self.proc: subprocess.Popen | None = None
         self.notify = -1
         self.retired: dict[int, str] = {}  # rank -> why it could not be reused, once it said so
+        self.pids: list[int] = []  # the ranks' pids, once known
         try:
             for rank in range(world_size):
                 os.mkfifo(bell_path(self.dir, rank))
@@ -104,6 +108,17 @@ class Pool:
             raise
 
     # -- state ------------------------------------------------------------------------------------------------
+    def memory(self) -> int:
+        """The resident memory of the ranks, in bytes (0 before the first call)."""
+        total = 0
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/statm", "rb") as f:
+                    total += int(f.read().split()[1]) * _PAGE
+            except (OSError, ValueError, IndexError):
+                continue
+        return total
+
     def usable(self) -> bool:
         return self.proc is not None and self.proc.poll() is None and self.calls < MAX_CALLS
 
@@ -160,6 +175,8 @@ class Pool:
             self._discard()
             raise
         results = _read_results(call_dir, n)
+        if not self.pids:
+            self.pids = list(_read_pids(call_dir, n).values())
         if ending is None:  # every rank returned its value
             reusable = self._await_answers(spec, call_dir)
             shutil.rmtree(call_dir, ignore_errors=True)
@@ -297,11 +314,13 @@ def _read_pids_of_all_calls(job_dir: Path, world_size: int) -> list[int]:
 class Pools:
     """The warm jobs of one :func:`commlib.testing.warm_ranks` block, by (world size, environment, cwd)."""
 
-    def __init__(self, max_ranks: int) -> None:
+    def __init__(self, max_ranks: int, max_memory: int) -> None:
         self.max_ranks = max_ranks
+        self.max_memory = max_memory
         self.jobs: OrderedDict[tuple, Pool] = OrderedDict()  # least recently used first
         self.started = 0  # jobs started
         self.calls = 0  # functions run
+        self.evicted = 0  # idle jobs stopped to make room
         self.retired: list[tuple[str, dict[int, str]]] = []  # (function, rank -> why) of the jobs that retired
 
     def take(self, world_size: int, env: Mapping[str, str]) -> tuple[tuple, Pool]:
@@ -319,14 +338,19 @@ class Pools:
 
     def give_back(self, key: tuple, pool: Pool) -> None:
         self.jobs[key] = pool
+        self._make_room(0)
 
     def _make_room(self, world_size: int) -> None:
-        """Stop the least recently used jobs until a new one of ``world_size`` ranks fits."""
+        """Stop the least recently used jobs until a new one of ``world_size`` ranks fits (in ranks and memory)."""
         stopping = []
-        while self.jobs and sum(p.world_size for p in self.jobs.values()) + world_size > self.max_ranks:
+        while len(self.jobs) > (0 if world_size else 1) and (
+            sum(p.world_size for p in self.jobs.values()) + world_size > self.max_ranks
+            or sum(p.memory() for p in self.jobs.values()) > self.max_memory
+        ):
             _, old = self.jobs.popitem(last=False)
             old.stop()
             stopping.append(old)
+            self.evicted += 1
         end = time.monotonic() + _GRACE
         for old in stopping:
             old.reap(end)

@@ -3,19 +3,19 @@
 Imported by the ranks of warm jobs only (``_worker.serve``); standard library only, like the worker.
 
 What is put back every time: commlib's and torch.distributed's default groups (destroyed, and commlib told
-that a later first call may join the job again, as in a new process), ``os.environ``, the working directory,
-the CPU affinity,
-``sys.path``, ``sys.argv``, the standard streams, ``sys.excepthook`` and ``threading.excepthook``, the Python
-signal handlers, the warning filters, and the random generators of ``random``, numpy and torch (seeded anew, as in a new
-process).
+that a later first call may join the job again, as in a new process), the standard streams, ``sys.path``,
+``sys.argv``, ``sys.excepthook`` and ``threading.excepthook``, the Python signal handlers, the warning filters,
+the CPU affinity, process-wide settings (recursion limit, switch interval, the garbage collector on or off,
+numpy's error handling, torch's default dtype, grad mode, thread count and deterministic mode), and the random
+generators of ``random``, numpy and torch (seeded anew, as in a new process).
 
 What cannot be put back ends the job after this function (the next call starts a new one): a teardown that
-raised, a non-daemon thread still running, a module of commlib, ddp or globalview (or the function's own)
-removed from ``sys.modules``, one of their globals rebound (but from None: the library's own set-up on first
-use) or a class's method replaced, an import
-blocked through ``sys.modules``, and a process-wide setting that cannot be set back (recursion limit, switch
-interval, the garbage collector on or off, numpy's error handling, torch's default dtype, grad mode, thread
-count and deterministic mode are set back to what they were before the function).
+raised; a changed ``os.environ`` (but for the variables torch sets for itself, :data:`OWN_VARIABLES`) or
+working directory (both are put back, but what was read from them may be cached: commlib keeps its place in
+the job); a non-daemon thread still running; a module of commlib, ddp or
+globalview (or the function's own) removed from ``sys.modules``; one of their globals rebound (but from None or
+False: the library's own set-up on first use; or to a submodule, by its import) or a class's method replaced;
+an import blocked through ``sys.modules``; a setting that could not be set back.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ __all__ = ["Baseline"]
 
 #: the packages whose functions and classes a test could replace (and the function's module, added per call)
 WATCHED = ("commlib", "ddp", "globalview")
+#: variables libraries set for themselves on first use, the same in every process of a job (torch's compiler
+#: caches under TMPDIR): no function's doing
+OWN_VARIABLES = ("TORCHINDUCTOR_",)
 _CALLABLE = (types.FunctionType, types.BuiltinFunctionType, property, classmethod, staticmethod)
 
 
@@ -67,7 +70,7 @@ def _definitions(extra: str) -> dict[tuple[str, str], tuple[int, bool]]:
         for attr, value in list(vars(module).items()):
             if attr.startswith("__"):  # __warningregistry__ & co.
                 continue
-            marks[(name, attr)] = (id(value), value is None)
+            marks[(name, attr)] = (id(value), value is None or value is False)
             if isinstance(value, type) and getattr(value, "__module__", None) == name:
                 for key, member in list(vars(value).items()):
                     if isinstance(member, _CALLABLE) and not key.startswith("__"):
@@ -142,6 +145,15 @@ class Baseline:
     def reset(self, marks: Marks) -> str:
         """Put the process back; "" if it can run another function, else why not."""
         problems = _teardown()
+        now = os.environ
+        changed = sorted(
+            {k for k in now if now.get(k) != self.environ.get(k) and not k.startswith(OWN_VARIABLES)}
+            | {k for k in self.environ if k not in now}
+        )
+        if os.getcwd() != self.cwd:
+            changed.append("(the working directory)")
+        if changed:  # put back below, but what the process read from it may be kept (commlib caches its place)
+            problems.append(f"environment changed: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}")
         self._restore()
         problems += _compare(marks)
         return "; ".join(problems)
@@ -196,7 +208,7 @@ def _teardown() -> list[str]:
         except Exception as e:
             problems.append(f"commlib.destroy_process_group() raised {type(e).__name__}: {e}")
         # After destroy_process_group() commlib refuses to join the job implicitly again (torch's rule for one
-        # program); the next function is another program.
+        # program); the next function is another program. What commlib read of its place in the job goes too.
         state = getattr(sys.modules.get("commlib._world"), "_state", None)
         if state is None or not hasattr(state, "destroyed"):
             problems.append(
@@ -205,16 +217,27 @@ def _teardown() -> list[str]:
             )
         else:
             state.destroyed = False
+            if hasattr(state, "info"):
+                state.info = None  # its place in the job, read again from the environment on first use
     return problems
+
+
+def _submodule(package: str, attr: str) -> bool:
+    """Whether ``package.attr`` is now the submodule of that name (importing it binds it there: no patch)."""
+    value = getattr(sys.modules.get(package), attr, None)
+    return isinstance(value, types.ModuleType) and value.__name__ == f"{package}.{attr}"
 
 
 def _compare(marks: Marks) -> list[str]:
     problems = []
     now = _definitions(marks.module)
-    # Rebound since the function started: a patch, or state a fresh process would not have (a global set once
-    # from None, e.g. a hook installed with the default group, is the library's own lazy set-up).
+    # Rebound since the function started: a patch, or state a fresh process would not have. A global set from None
+    # or False (a hook installed with the default group, a choice made on first use) is the library's own lazy
+    # set-up, and a package's name bound to its submodule by an import is no patch either.
     replaced = sorted(
-        f"{m}.{a}" for (m, a), (i, none) in marks.definitions.items() if not none and now.get((m, a), (i,))[0] != i
+        f"{m}.{a}"
+        for (m, a), (i, unset) in marks.definitions.items()
+        if not unset and now.get((m, a), (i,))[0] != i and not _submodule(m, a)
     )
     if replaced:
         problems.append(f"rebound: {', '.join(replaced[:5])}{' ...' if len(replaced) > 5 else ''}")
