@@ -16,6 +16,8 @@ from reference import INTS, same
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 SIZES = {"persistent": 40, "own steps": 80 << 10, "pieces": 9 << 20}  # bytes; see commlib.backends.mpi
 PIECES_DTYPES = (np.int8, np.int64)  # 9 MiB inputs of every rank on every rank: two dtypes are enough there
 BACKENDS = {"mpi": {}, "nccl": {"COMMLIB_NCCL_EMULATOR": "1"}}

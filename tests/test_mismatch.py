@@ -28,6 +28,8 @@ import pytest
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 TIMEOUT = 2.0
 SIZES = (8, 64 << 10, 4 << 20)
 KINDS = (

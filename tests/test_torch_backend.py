@@ -15,6 +15,8 @@ from ports import free_port
 
 from commlib.testing import run, world_sizes
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 pytest.importorskip("torch")
 
 

@@ -13,6 +13,8 @@ from test_torch_backend import free_port_env, init_torch
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 
