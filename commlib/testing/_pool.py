@@ -58,6 +58,9 @@ __all__ = ["Pool", "Pools", "run_warm"]
 #: communicators; on world rank 0 the job monitor's store server, a thread and 4 descriptors; on the nccl
 #: emulator ~5 threads and a few sockets per rank).
 MAX_CALLS = 50
+#: How long the ranks may take to put their processes back (milliseconds, as a rule; a destroy_process_group that
+#: hangs is killed then, with a warning).
+RESET_WAIT = 10.0
 RESET, STOP, NOTIFY = "reset", "stop", "notify"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -221,7 +224,7 @@ class Pool:
         assert self.proc is not None
         (call_dir / RESET).touch()
         self._ring()
-        end = time.monotonic() + _GRACE
+        end = time.monotonic() + RESET_WAIT
         ranks = range(self.world_size)
         while True:
             ready = [answer_path(call_dir, r, True).exists() for r in ranks]
@@ -233,7 +236,7 @@ class Pool:
                 self._kill()
                 warnings.warn(
                     f"{spec['module']}.{spec['qualname']}: every rank returned, but the ranks of the warm job "
-                    f"were not ready for another function within {_GRACE:g} s (stuck in commlib's or "
+                    f"were not ready for another function within {RESET_WAIT:g} s (stuck in commlib's or "
                     "torch's destroy_process_group?) and the job was killed",
                     RuntimeWarning,
                     stacklevel=4,
@@ -292,7 +295,7 @@ class Pool:
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
-            ranks = _read_pids_of_all_calls(self.dir, self.world_size)
+            ranks = set(self.pids) | set(_read_pids_of_all_calls(self.dir, self.world_size))
             _kill_job(self.proc, self.dir, ranks)
 
     def _discard(self) -> None:
