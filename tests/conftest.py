@@ -1,15 +1,77 @@
 """Shared test settings: every multi-rank job gets a short collective timeout, and a temporary folder of the
-session's own (the flight recorder dumps of the failure scenarios go there, not in /tmp for good)."""
+session's own (the flight recorder dumps of the failure scenarios go there, not in /tmp for good).
+
+Warm ranks: in the modules marked ``pytestmark = pytest.mark.warm_ranks``, ``commlib.testing.run`` reuses warm
+jobs, one per (world size, environment), shared by every such module of the session
+(:func:`commlib.testing.warm_ranks`: a module, torch and MPI are loaded once per job, not once per call); a test
+marked ``fresh_ranks`` starts new processes for its calls, as every other module does. ``--fresh-ranks`` turns
+warm ranks off (every call a new job).
+"""
 
 import os
 import shutil
 import tempfile
 
+import pytest
+
+from commlib.testing import fresh_ranks, warm_ranks
+
 # Collectives in tests time out after 20 s unless a test sets its own (the harness's deadline is longer).
 os.environ.setdefault("COMMLIB_TIMEOUT", "20")
 
+_WARM: list = []  # the session's warm jobs (commlib.testing._pool.Pools), once they ended
+
 _SESSION_TMP = tempfile.mkdtemp(prefix="commlib-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP  # every rank and launcher the tests start inherits it
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fresh-ranks",
+        action="store_true",
+        help="start new processes for every commlib.testing.run call, also in modules marked warm_ranks",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_ranks(request: pytest.FixtureRequest):
+    """The session's warm jobs, shared by the modules marked warm_ranks."""
+    if request.config.getoption("--fresh-ranks"):
+        yield None
+        return
+    with warm_ranks() as pools:
+        yield pools
+    _WARM.append(pools)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_ranks_for_the_module(request: pytest.FixtureRequest, _warm_ranks):
+    if request.node.get_closest_marker("warm_ranks") is not None:
+        yield
+        return
+    with fresh_ranks():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ranks_for_the_test(request: pytest.FixtureRequest):
+    if request.node.get_closest_marker("fresh_ranks") is None:
+        yield
+        return
+    with fresh_ranks():
+        yield
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line on the warm jobs (with -v: what ended each job that could not be reused)."""
+    for pools in _WARM:
+        terminalreporter.write_line(
+            f"warm ranks: {pools.calls} calls ran on {pools.started} jobs; {len(pools.retired)} could not be reused "
+            f"after a function that passed, {pools.evicted} were stopped to make room"
+        )
+        if config.getoption("verbose") > 0:
+            for fn, why in pools.retired:
+                terminalreporter.write_line(f"  {fn}: {why}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -10,6 +10,8 @@ from reference import BACKENDS
 
 from commlib.testing import run, world_sizes
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 
 def outstanding_job() -> list:
     import commlib as dist

@@ -25,6 +25,8 @@ from commlib.bench._report import Measure, Row, format_row, header_line, titles
 from commlib.bench._specs import COLLECTIVES, DATATYPES, OPS, layout, parse_size, sweep
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # nccl-tests' own lines (all_reduce_perf -b 8 -e 128M -f 2), as shared/reference/nccl-tests-output.md quotes them.

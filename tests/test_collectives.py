@@ -8,6 +8,8 @@ from reference import ALL_DTYPES, BACKENDS, group_layouts, make, ops_for, reduce
 
 from commlib.testing import run, world_sizes
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 
 def _all_reduce(dist, g, ranks, me):
     checks = 0

@@ -11,6 +11,8 @@ from reference import ALL_DTYPES, BACKENDS
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 
 def layers_job(backend: str) -> dict[str, dict[str, str]]:
     """Every dtype commlib moves, through commlib (numpy and torch), globalview and ddp: "ok" or the error."""

@@ -7,6 +7,8 @@ import pytest
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 torch = pytest.importorskip("torch")
 
 LR = 0.1

@@ -14,6 +14,8 @@ import pytest
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 torch = pytest.importorskip("torch")
 
 BATCH, STEPS, LR = 4, 6, 0.1

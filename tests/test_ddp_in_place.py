@@ -9,6 +9,8 @@ import pytest
 from commlib.buckets.planner import MIB, ParamInfo, plan_buckets
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 BIG = MIB  # float32 elements: 4 MiB, the smallest gradient that gets a bucket of its own
 
 

@@ -7,6 +7,8 @@ import pytest
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 torch = pytest.importorskip("torch")
 
 SIZES = {0: 3, 1: 5}  # uneven local batches: the statistics must weight ranks by their counts

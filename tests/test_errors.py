@@ -11,6 +11,8 @@ from reference import BACKENDS
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 N = 3  # world size of the job; rank BAD makes the mistake, the others make the correct call
 BAD = 1
 TIMEOUT = 0.5

@@ -23,6 +23,8 @@ from reference import ALL_DTYPES, BACKENDS, group_layouts, make, ops_for, reduce
 
 from commlib.testing import RankFailure, run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 # -- shared helpers -------------------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,8 @@ from commlib.testing import run
 from globalview import _cost
 from globalview import _signatures as sig
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 S = gv.sbp
 F32 = np.dtype(np.float32)
 

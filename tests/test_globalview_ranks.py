@@ -12,6 +12,8 @@ from reference import BACKENDS
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 B, S0, S1, P = "B", "S(0)", "S(1)", "P"
 # The collectives each 1-D conversion runs (on more than one rank): one, or none.
 EXPECT = {

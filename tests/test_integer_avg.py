@@ -16,6 +16,8 @@ from reference import INTS, same
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 SIZES = {"persistent": 40, "own steps": 80 << 10, "pieces": 9 << 20}  # bytes; see commlib.backends.mpi
 PIECES_DTYPES = (np.int8, np.int64)  # 9 MiB inputs of every rank on every rank: two dtypes are enough there
 BACKENDS = {"mpi": {}, "nccl": {"COMMLIB_NCCL_EMULATOR": "1"}}
@@ -109,7 +111,7 @@ def test_integer_avg(backend: str, n: int) -> None:
     assert len(results[-1]) == per_group * (2 if n >= 3 else 1), results[-1]  # the last rank is in every group
 
 
-def torch_avg_job() -> dict[str, str]:
+def torch_avg_job(master: dict[str, str]) -> dict[str, str]:
     """torch's all_reduce(op=AVG) on backend="commlib" against commlib's own all_reduce and the oracle."""
     import torch
     import torch.distributed as tdist
@@ -117,7 +119,7 @@ def torch_avg_job() -> dict[str, str]:
 
     import commlib
 
-    init_torch()
+    init_torch(master)
     me, n, problems = tdist.get_rank(), tdist.get_world_size(), {}
     for d, dtype in enumerate([torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]):
         np_dtype = np.dtype(str(dtype).removeprefix("torch."))
@@ -146,7 +148,7 @@ def test_torch_all_reduce_avg_on_integers() -> None:
     pytest.importorskip("torch")
     from test_torch_backend import free_port_env
 
-    assert run(torch_avg_job, 3, timeout=120, env=free_port_env()) == [{}] * 3
+    assert run(torch_avg_job, 3, free_port_env(), timeout=120) == [{}] * 3
 
 
 def test_nccl_before_2_10_has_no_avg() -> None:

@@ -12,6 +12,8 @@ from test_ready import _c_runner_built
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 K = 40 << 10  # elements of a chunk: 80 KiB of 2-byte floats, above the persistent operations' 64 KiB
 
 

@@ -32,6 +32,8 @@ from commlib.testing import run
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference import BACKENDS
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 TIMEOUT = 2.0
 SIZES = (8, 64 << 10, 4 << 20)
 KINDS = (

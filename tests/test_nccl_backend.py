@@ -18,6 +18,8 @@ from reference import BACKENDS
 from commlib.launch._mpiexec import find_mpiexec
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 EMU = BACKENDS["nccl"]
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,6 +24,8 @@ import pytest
 from commlib.backends import nccl_emulator as nccl
 from commlib.testing import run, world_sizes
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 SUM, PROD, MAX, MIN, AVG = nccl.NCCL_SUM, nccl.NCCL_PROD, nccl.NCCL_MAX, nccl.NCCL_MIN, nccl.NCCL_AVG
 # NCCL datatype -> numpy dtype, written out independently of the emulator's own table.

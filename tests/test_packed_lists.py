@@ -13,6 +13,8 @@ from reference import BACKENDS
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 N = 20_000  # float32 elements per rank: lists of 160 KiB and more are used in place
 
 

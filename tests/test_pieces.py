@@ -8,6 +8,8 @@ import pytest
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 PIECE = 4096  # bytes: small pieces, so a modest buffer splits into many (the last one partial)
 
 

@@ -13,6 +13,8 @@ from reference import ALL_DTYPES, BACKENDS, group_layouts, make, ops_for, reduce
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 COLLECTIVES = [
     "all_reduce",
     "reduce",

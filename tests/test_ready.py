@@ -11,6 +11,8 @@ import pytest
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 
 def lookup_job() -> list[str]:
     import commlib as dist

@@ -13,6 +13,8 @@ from reference import BACKENDS
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 DETAIL = {"COMMLIB_DEBUG": "DETAIL"}
 
 

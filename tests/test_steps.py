@@ -13,6 +13,8 @@ import pytest
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 SMALL = 4096
 
 

@@ -9,6 +9,8 @@ from reference import BACKENDS
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 
 def strided_job() -> dict:
     import commlib as dist

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+import commlib.testing
 from commlib.launch._mpiexec import find_mpiexec, mpiexec_command
-from commlib.testing import RankFailure, run, world_sizes
+from commlib.testing import RankFailure, fresh_ranks, run, warm_ranks, world_sizes
 
 
 @dataclass(frozen=True)
@@ -315,3 +316,267 @@ def test_a_script_without_a_main_guard_gets_an_error_not_workers_without_end(tmp
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert "put the script's top-level calls under `if __name__ == '__main__':`" in proc.stderr, proc.stderr[-2000:]
+
+
+# -- warm ranks: one job serves call after call --------------------------------------------------------------
+
+
+def _pid_and_marker() -> tuple[int, str | None, bool]:
+    """This rank's pid, then what an earlier call may have left behind (it must not be seen): a variable of the
+    environment, a warning filter."""
+    import warnings
+
+    seen = os.environ.get("COMMLIB_TEST_LEFT_BEHIND")
+    filtered = any(f[0] == "error" and f[2] is UserWarning for f in warnings.filters)
+    warnings.simplefilter("error", UserWarning)
+    return os.getpid(), seen, filtered
+
+
+def _change_the_environment(where: str) -> int:
+    os.environ["COMMLIB_TEST_LEFT_BEHIND"] = "yes"
+    os.chdir(where)
+    return os.getpid()
+
+
+def _implicit_commlib_world(destroy: bool) -> tuple[int, bool, float]:
+    """commlib joined implicitly by a first call, as in a new program; destroyed, or left to the program's end
+    (then the reset destroys it)."""
+    import numpy as np
+
+    import commlib as dist
+
+    x = np.ones(3) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    if destroy:
+        dist.destroy_process_group()
+    return os.getpid(), dist.is_initialized(), float(x[0])
+
+
+def _leave_the_group_on_rank_0() -> int:
+    """Rank 0 leaves its default group to the end of the program, rank 1 destroys its own: rank 0's closing
+    check then waits for rank 1 (for COMMLIB_TIMEOUT)."""
+    import commlib as dist
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()
+    return os.getpid()
+
+
+def _leave_a_thread() -> int:
+    threading.Thread(target=time.sleep, args=(0.2,)).start()
+    return os.getpid()
+
+
+def _patch_commlib() -> int:
+    import commlib
+
+    commlib.get_rank = lambda group=None: 0  # a patch a fresh process would not have
+    return os.getpid()
+
+
+def _print_then(fail: bool) -> int:
+    print(f"call that {'fails' if fail else 'passes'} on rank {os.environ['PMI_RANK']}", flush=True)
+    if fail and os.environ["PMI_RANK"] == "1":
+        raise ValueError("the second call fails")
+    return os.getpid()
+
+
+def _draw(seed: bool) -> list[float]:
+    """Numbers from the generators of random, numpy and torch, seeded or as the process left them."""
+    import random
+
+    import numpy as np
+    import torch
+
+    if seed:
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+    return [random.random(), np.random.random(), torch.rand(1).item()]
+
+
+def _warm_job_processes(pools: object) -> list[int]:
+    """Live processes of the warm jobs (their directory is on their command lines)."""
+    return [pid for pool in pools.jobs.values() for pid in _job_processes(pool.dir)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_warm_ranks_serve_call_after_call_each_as_in_a_new_process() -> None:
+    with warm_ranks():
+        first = run(_pid_and_marker, 2)
+        second = run(_pid_and_marker, 2)
+        assert [pid for pid, _, _ in first] == [pid for pid, _, _ in second]  # the same processes
+        assert [(seen, filtered) for _, seen, filtered in second] == [(None, False)] * 2  # filters put back
+        other = run(_pid_and_marker, 2, env={"COMMLIB_TEST_VAR": "another environment"})
+        assert {pid for pid, _, _ in other}.isdisjoint(pid for pid, _, _ in first)  # a job of its own
+        three = run(_pid_and_marker, 3)
+        assert len({pid for pid, _, _ in three}) == 3
+        for destroy in (True, False, True):  # commlib's default group: joined by a first call, every time
+            got = run(_implicit_commlib_world, 2, destroy)
+            assert [(init, total) for _, init, total in got] == [(not destroy, 3.0)] * 2
+        assert [pid for pid, _, _ in got] == [pid for pid, _, _ in first]
+        pools = commlib.testing._warm.pools
+        assert pools.started == 3 and pools.retired == []
+        running = _warm_job_processes(pools)
+        assert len(running) >= 7  # 2 + 2 + 3 ranks, and hydra
+    assert [pid for pid in running if _alive(pid)] == []  # the block's end stopped every job
+
+
+@pytest.mark.timeout(120)
+def test_warm_ranks_fresh_inside_and_argument_errors() -> None:
+    with warm_ranks():
+        first = run(_pid_and_marker, 1)
+        with fresh_ranks():
+            assert run(_pid_and_marker, 1)[0][0] != first[0][0]
+        with pytest.raises(TypeError, match="picklable"):
+            run(_pid_and_marker, 1, threading.Lock())
+        assert run(_pid_and_marker, 1)[0][0] == first[0][0]  # the job still serves
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_rank_that_cannot_be_put_back_retires() -> None:
+    with warm_ranks():
+        pools = commlib.testing._warm.pools
+        changed = run(_change_the_environment, 2, "/")
+        after_change = run(_pid_and_marker, 2)
+        assert set(changed).isdisjoint(pid for pid, _, _ in after_change)
+        assert [seen for _, seen, _ in after_change] == [None, None]
+        thread = run(_leave_a_thread, 2)
+        after_thread = run(_pid_and_marker, 2)
+        assert set(thread).isdisjoint(pid for pid, _, _ in after_thread)
+        patched = run(_patch_commlib, 2)
+        after_patch = run(_pid_and_marker, 2)
+        assert set(patched).isdisjoint(pid for pid, _, _ in after_patch)
+        assert [why for _, ranks in pools.retired for why in ranks.values()] == (
+            ["environment changed: COMMLIB_TEST_LEFT_BEHIND, (the working directory)"] * 2
+            + ["non-daemon threads still running: Thread-1 (sleep)"] * 2
+            + ["rebound: commlib.get_rank"] * 2
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_warm_job_whose_ranks_are_not_ready_in_time_is_killed_with_a_warning() -> None:
+    with warm_ranks():
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="were not ready for another function within 10 s"):
+            stuck = run(_leave_the_group_on_rank_0, 2, env={"COMMLIB_TIMEOUT": "40"})
+        assert time.monotonic() - start < 25
+        after = run(_pid_and_marker, 2, env={"COMMLIB_TIMEOUT": "40"})
+        assert set(stuck).isdisjoint(pid for pid, _, _ in after)  # a new job
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_warm_job_left_lingering_is_killed_with_a_warning() -> None:
+    with warm_ranks():
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="every rank returned, but the job did not exit"):
+            assert run(_linger_in_a_thread_on_rank_0, 2, timeout=50) == [0, 1]
+        assert time.monotonic() - start < 15
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_failure_is_reported_as_a_fresh_one_and_ends_the_job() -> None:
+    with warm_ranks():
+        passed = run(_print_then, 3, False)
+        with pytest.raises(RankFailure) as info:
+            run(_print_then, 3, True)
+        err = info.value
+        assert sorted(err.failures) == [1] and "ValueError: the second call fails" in err.failures[1]
+        assert err.unfinished == [] and err.results == {0: passed[0], 2: passed[2]}
+        assert "call that fails on rank 1" in err.output
+        assert "call that passes" not in err.output  # the earlier call's output is not this one's
+        assert err.spec_dir is not None and (err.spec_dir / "output.log").exists()
+        _discard(err)
+        assert set(run(_print_then, 3, False)).isdisjoint(passed)  # a new job
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_warm_ranks_hung_or_stuck_are_killed_with_stack_dumps() -> None:
+    with warm_ranks():
+        pools = commlib.testing._warm.pools
+        run(_rank_size_sum, 2)
+        job = next(iter(pools.jobs.values())).dir
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as info:
+            run(_sleep_on_rank_1_forever, 2, timeout=5)
+        elapsed = time.monotonic() - start
+        err = info.value
+        assert 5 <= elapsed < 11, elapsed
+        assert err.unfinished == [1] and err.failures == {}
+        assert "_sleep_on_rank_1_forever" in err.stacks[1]
+        assert "hung: killed after the 5 s deadline" in str(err)
+        assert _job_processes(job) == [] and not job.exists()
+        _discard(err)
+
+        run(_rank_size_sum, 2)
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as info:
+            run(_raise_on_rank_1_before_allreduce, 2, timeout=50)
+        err = info.value
+        assert time.monotonic() - start < 15  # the grace period, not the 50 s deadline
+        assert sorted(err.failures) == [1] and err.unfinished == [0]
+        assert "_raise_on_rank_1_before_allreduce" in err.stacks[0]
+        _discard(err)
+
+        run(_rank_size_sum, 3)
+        with pytest.raises(RankFailure) as info:
+            run(_sigkill_rank_1, 3, timeout=50)
+        err = info.value
+        assert 1 in err.unfinished and "rank 1 did not finish: exited without a result" in str(err)
+        _discard(err)
+        assert pools.jobs == {} or all(p.usable() for p in pools.jobs.values())
+
+
+@pytest.mark.timeout(300)
+def test_warm_ranks_seed_their_generators_anew() -> None:
+    pytest.importorskip("torch")
+    with warm_ranks():
+        seeded = run(_draw, 1, True)
+        assert run(_draw, 1, True) == seeded
+        after = run(_draw, 1, False)[0]  # not the sequence the last function seeded
+        assert all(a != b for a, b in zip(after, seeded[0], strict=True)), (after, seeded)
+
+
+_WARM_ORPHAN_SCRIPT = """
+import sys
+sys.path[:0] = sys.argv[1:]
+from commlib.testing import run, warm_ranks
+from test_testing import _rank_size_sum, _sleep_on_rank_1_forever
+with warm_ranks():
+    run(_rank_size_sum, 2, env={"COMMLIB_TEST_MARKER": "%s"})
+    run(_sleep_on_rank_1_forever, 2, timeout=100, env={"COMMLIB_TEST_MARKER": "%s"})
+"""
+
+
+@pytest.mark.timeout(60)
+def test_warm_job_dies_with_a_killed_parent() -> None:
+    marker = f"COMMLIB_TEST_MARKER=warm-orphan-{os.getpid()}-{time.monotonic_ns()}".encode()
+    here = str(Path(__file__).resolve().parent)
+    value = marker.decode().partition("=")[2]
+    parent = subprocess.Popen([sys.executable, "-c", _WARM_ORPHAN_SCRIPT % (value, value), here, *sys.path])
+    try:
+        end = time.monotonic() + 30
+        while not any(p.endswith(b"call-1/pid.1") for p in _marked_files(marker)):  # the second call runs
+            assert time.monotonic() < end and parent.poll() is None, "the job never started"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+    end = time.monotonic() + 10
+    while _marked_processes(marker):
+        assert time.monotonic() < end, "the warm job outlived its killed parent"
+        time.sleep(0.05)
+
+
+def _marked_files(marker: bytes) -> list[bytes]:
+    """Names in the directories of the warm jobs of processes carrying ``marker``."""
+    names: list[bytes] = []
+    for pid in _marked_processes(marker):
+        for arg in _cmdline(pid):
+            if b"commlib-testing-warm-" in arg and os.path.isdir(arg):
+                names += [os.fsencode(p) for p in Path(os.fsdecode(arg)).glob("call-*/*")]
+    return names

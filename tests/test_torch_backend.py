@@ -15,18 +15,23 @@ from ports import free_port
 
 from commlib.testing import run, world_sizes
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 pytest.importorskip("torch")
 
 
 def free_port_env() -> dict[str, str]:
-    """MASTER_ADDR/MASTER_PORT for torch's env:// rendezvous on a port nobody uses now."""
+    """MASTER_ADDR/MASTER_PORT for torch's env:// rendezvous on a port nobody uses now (given to the job's function,
+    which sets them: a job's own environment would need ranks of its own, see tests/conftest.py)."""
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
 
 
-def init_torch(timeout: float = 30.0) -> None:
-    """In a rank: RANK/WORLD_SIZE from mpiexec's PMI variables, then ``init_process_group("commlib")``."""
+def init_torch(master: dict[str, str], timeout: float = 30.0) -> None:
+    """In a rank: RANK/WORLD_SIZE from mpiexec's PMI variables, ``master`` (:func:`free_port_env`), then
+    ``init_process_group("commlib")``."""
     import datetime
 
+    os.environ.update(master)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = os.environ["PMI_RANK"], os.environ["PMI_SIZE"]
     import torch
     import torch.distributed as dist
@@ -220,12 +225,12 @@ def _p2p(n: int, r: int) -> dict:
     }
 
 
-def collectives_job(skip: tuple[str, ...] = (), models: bool = False) -> dict:
+def collectives_job(master: dict[str, str], skip: tuple[str, ...] = (), models: bool = False) -> dict:
     import datetime
 
     import torch.distributed as dist
 
-    init_torch()
+    init_torch(master)
     n, r = dist.get_world_size(), dist.get_rank()
     gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
     problems = {}
@@ -285,7 +290,7 @@ def _subgroups(n: int, r: int) -> dict:
 @pytest.mark.parametrize("n", world_sizes)
 def test_torch_collectives_ddp_fsdp2_dtensor(n: int) -> None:
     """Every collective on n ranks; on 2 and 3 ranks also DDP, FSDP2 and DTensor (torch_models.py)."""
-    results = run(collectives_job, n, (), n in (2, 3), timeout=240, env=free_port_env())
+    results = run(collectives_job, n, free_port_env(), (), n in (2, 3), timeout=240)
     for rank, problems in enumerate(results):
         assert problems == {}, f"rank {rank}: {problems}"
 
@@ -296,16 +301,16 @@ NCCL_REFUSES = ("all_reduce BXOR int32", "send / recv(any source)")
 
 def test_torch_collectives_on_the_nccl_backend_through_the_emulator() -> None:
     """The nccl backend's code path (CUDA tensors on a GPU) with CPU tensors on commlib's NCCL emulator."""
-    env = {**free_port_env(), "COMMLIB_NCCL_EMULATOR": "1"}
-    for rank, problems in enumerate(run(collectives_job, 2, NCCL_REFUSES, timeout=120, env=env)):
+    env = {"COMMLIB_NCCL_EMULATOR": "1"}
+    for rank, problems in enumerate(run(collectives_job, 2, free_port_env(), NCCL_REFUSES, timeout=120, env=env)):
         assert problems == {}, f"rank {rank}: {problems}"
 
 
-def cuda_ddp_job() -> list:
+def cuda_ddp_job(master: dict[str, str]) -> list:
     import torch
 
     torch.cuda.set_device(int(os.environ.get("MPI_LOCALRANKID", os.environ["PMI_RANK"])) % torch.cuda.device_count())
-    init_torch()  # commlib picks nccl: a GPU is usable
+    init_torch(master)  # commlib picks nccl: a GPU is usable
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2).cuda())
     model(torch.randn(3, 4, device="cuda")).sum().backward()
     t = torch.ones(4, device="cuda")
@@ -318,4 +323,4 @@ def test_torch_ddp_on_cuda_tensors_over_nccl() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 1:
         pytest.skip("needs a CUDA GPU visible to torch")
-    assert run(cuda_ddp_job, 2, timeout=180, env=free_port_env()) == [[2.0] * 4] * 2
+    assert run(cuda_ddp_job, 2, free_port_env(), timeout=180) == [[2.0] * 4] * 2

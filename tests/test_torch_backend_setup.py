@@ -13,6 +13,8 @@ from test_torch_backend import free_port_env, init_torch
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,14 +66,14 @@ def _caught(fn) -> str:  # type: ignore[no-untyped-def]
     return "no error"
 
 
-def errors_job() -> dict:
+def errors_job(master: dict[str, str]) -> dict:
     """Bad input on every rank (refused before anything moves), then rank 1 never makes two calls."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    init_torch(timeout=3.0)
+    init_torch(master, timeout=3.0)
     r = dist.get_rank()
     out = {
         "wrong output size": _caught(lambda: dist.all_gather_into_tensor(torch.zeros(5), torch.zeros(3))),
@@ -98,7 +100,7 @@ def errors_job() -> dict:
 
 
 def test_bad_input_and_a_missing_peer_give_clear_errors() -> None:
-    got = run(errors_job, 2, timeout=90, env=free_port_env())[0]
+    got = run(errors_job, 2, free_port_env(), timeout=90)[0]
     for name in ("wrong output size", "wrong input size", "dtypes differ", "not contiguous", "PREMUL_SUM"):
         assert got[name].startswith(("ValueError", "TypeError")), (name, got[name])
     assert (

@@ -19,6 +19,8 @@ import commlib
 import commlib.store
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 NEW_NAMES = [
     "get_node_local_rank",
     "is_backend_available",

@@ -16,6 +16,8 @@ import pytest
 import commlib
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 AFTER_DESTROY = "the default process group was destroyed by destroy_process_group(); call init_process_group()"
 
 

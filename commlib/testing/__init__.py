@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -9,9 +10,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from commlib.launch._mpiexec import (
     send_signal,
 )
 
-__all__ = ["RankFailure", "run", "world_sizes"]
+__all__ = ["RankFailure", "fresh_ranks", "run", "warm_ranks", "world_sizes"]
 
 #: World sizes worth testing on a small machine, e.g. ``@pytest.mark.parametrize("n", world_sizes)``.
 world_sizes: tuple[int, ...] = (1, 2, 3, 4)
@@ -123,6 +125,11 @@ def run(
     if not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     spec = _describe(fn)
+    # Warm jobs only from the main thread: Linux ends a job when the thread that started it ends (die_with_parent).
+    if _warm.pools is not None and not _warm.fresh and threading.current_thread() is threading.main_thread():
+        from commlib.testing._pool import run_warm
+
+        return run_warm(_warm.pools, spec, world_size, args, kwargs, timeout, _environment(env))
     spec_dir = Path(tempfile.mkdtemp(prefix="commlib-testing-"))
     try:
         _write_spec(spec_dir, spec, args, kwargs)
@@ -148,6 +155,60 @@ def run(
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         return [results[rank][1] for rank in range(world_size)]
     raise _failure(spec, world_size, spec_dir, results, ending)
+
+
+class _Warm:
+    """Whether :func:`run` reuses warm jobs (inside :func:`warm_ranks`, not inside :func:`fresh_ranks`)."""
+
+    pools: Any = None  # the running jobs (a commlib.testing._pool.Pools) while warm_ranks() is open
+    fresh = False
+
+
+_warm = _Warm()
+
+
+@contextlib.contextmanager
+def warm_ranks(max_ranks: int = 20, max_memory: float = 6.0) -> Iterator[Any]:
+    """Inside: :func:`run` reuses one job of warm ranks per (world size, environment, working directory).
+
+    The ranks of a warm job run one function after another: each function's module is imported once (torch
+    with it, if the module imports it), MPI is initialised once. After a function returned on every rank, each
+    rank puts its process back as a fresh one would be for the next function (see
+    :mod:`commlib.testing._reset`: the default groups destroyed, the environment, working directory, signal
+    handlers and other process-wide settings set back, the random generators seeded anew). A rank that finds
+    what it cannot put back (a non-daemon thread still running, a global of commlib, ddp, globalview or the
+    function's module rebound, a teardown that raised) ends its job after that function: the next call starts
+    a new one. A job is never reused after a failure, a timeout or a kill: the failure is reported as for a
+    fresh job (each rank's traceback, stack dumps of the ranks killed at the deadline), and the job ends.
+
+    ``max_ranks``, ``max_memory``: idle jobs are stopped (least recently used first) to keep at most this many
+    warm ranks, using at most this many GiB of memory (resident) in all (but the job last used).
+    Every job is stopped when the block ends; a block inside another (or inside :func:`fresh_ranks`) has jobs of
+    its own. The block's value counts the calls, the jobs started and the
+    jobs that could not be reused (``calls``, ``started``, ``retired``). Use :func:`fresh_ranks` for calls that
+    need processes of their own: a function that tests what a process decides once (at import, on first use),
+    or how a program ends.
+    """
+    from commlib.testing._pool import Pools
+
+    outer = _warm.pools, _warm.fresh  # a block inside another (or inside fresh_ranks()) has jobs of its own
+    pools = _warm.pools = Pools(max_ranks, int(max_memory * 2**30))
+    _warm.fresh = False
+    try:
+        yield pools
+    finally:
+        _warm.pools, _warm.fresh = outer
+        pools.close()
+
+
+@contextlib.contextmanager
+def fresh_ranks() -> Iterator[None]:
+    """Inside: :func:`run` starts a job of new processes for every call, even within :func:`warm_ranks`."""
+    before, _warm.fresh = _warm.fresh, True
+    try:
+        yield
+    finally:
+        _warm.fresh = before
 
 
 def _describe(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -245,8 +306,12 @@ def _grace_due(spec_dir: Path, world_size: int) -> bool:
     return _ERROR in statuses.values() or len(statuses) == world_size
 
 
-def _stop(proc: subprocess.Popen, spec_dir: Path, world_size: int, reason: str) -> dict[int, str]:
-    """Dump the stacks of the unfinished ranks, then kill the job; say why each died."""
+def _stop(
+    proc: subprocess.Popen, spec_dir: Path, world_size: int, reason: str, job_dir: Path | None = None
+) -> dict[int, str]:
+    """Dump the stacks of the unfinished ranks, then kill the job; say why each died.
+
+    ``job_dir``: the directory named on the ranks' command lines, when not ``spec_dir`` (a warm job's)."""
     pids = _read_pids(spec_dir, world_size)
     done = _statuses(spec_dir)
     killed: dict[int, str] = {}
@@ -261,7 +326,7 @@ def _stop(proc: subprocess.Popen, spec_dir: Path, world_size: int, reason: str) 
         else:
             killed[rank] = "exited without a result"
     _await_stacks(spec_dir, [r for r, why in killed.items() if why == reason])
-    _kill_job(proc, spec_dir, pids.values())
+    _kill_job(proc, job_dir or spec_dir, pids.values())
     return killed
 
 

@@ -7,9 +7,11 @@ initialise MPI either; the function under test does that (mpi4py finalises at ex
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import importlib.util
+import itertools
 import os
 import pickle
 import signal
@@ -138,6 +140,10 @@ def _run(spec_dir: Path) -> tuple[str, Any]:
         fn, args, kwargs = _load_call(spec_dir)
     except BaseException:  # reported like a failure of fn
         return _ERROR, f"could not load the function to run:\n{traceback.format_exc()}"
+    return _call(fn, args, kwargs)
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[str, Any]:
     try:
         return _OK, fn(*args, **kwargs)
     except BaseException as exc:  # SystemExit & co. are failures of fn too
@@ -154,22 +160,116 @@ def _encode(status: str, payload: Any) -> tuple[str, bytes]:
         return _ERROR, pickle.dumps((_ERROR, message))
 
 
-def main(argv: list[str]) -> int:
-    """Run the function described in ``argv[1]`` (the spec dir) on this rank."""
+def _begin(spec_dir: Path, rank: int) -> None:
+    """Stack dumps of this call go to its directory; then say which pid runs it."""
     global _stack_file
-    spec_dir = Path(argv[1])
-    rank = _rank()
-    _stack_file = open(_stack_path(spec_dir, rank), "w")  # noqa: SIM115 - kept open on purpose
+    previous, _stack_file = _stack_file, open(_stack_path(spec_dir, rank), "w")  # noqa: SIM115 - kept open
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
     # Crashes in C code (segfaults, aborts) leave a Python stack trace as well.
     faulthandler.enable(file=_stack_file, all_threads=True)
+    if previous is not None:
+        previous.close()
     # Only now: the parent sends SIGUSR1 to recorded pids, and unhandled it would kill.
     _write_atomic(_pid_path(spec_dir, rank), f"{os.getpid()} {os.getppid()}".encode())
+
+
+def main(argv: list[str]) -> int:
+    """Run the function described in ``argv[1]`` (the spec dir) on this rank; or, given
+    ``--warm JOB_DIR PARENT_PID``, serve the calls of a warm job (:func:`serve`)."""
+    if len(argv) == 4 and argv[1] == "--warm":
+        return serve(Path(argv[2]), int(argv[3]))
+    spec_dir = Path(argv[1])
+    rank = _rank()
+    _begin(spec_dir, rank)
     _line_buffer_output()
     status, data = _encode(*_run(spec_dir))
     _write_atomic(_result_path(spec_dir, rank, status), data)
     # Exit 0 even if fn failed: the parent judges by the result files, and a normal
     # exit lets MPI finalize instead of making hydra kill the other ranks.
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Bell:
+    """This rank's FIFO in a warm job's directory: the parent writes a byte when there is something new."""
+
+    def __init__(self, job_dir: Path, rank: int, parent: int) -> None:
+        from commlib.testing._pool import NOTIFY, bell_path
+
+        # Read and write: the FIFO always has a writer (us), so select() waits for real news.
+        self.fd = os.open(bell_path(job_dir, rank), os.O_RDWR | os.O_NONBLOCK)
+        self.notify = os.open(job_dir / NOTIFY, os.O_WRONLY | os.O_NONBLOCK)
+        self.parent = parent
+
+    def ring_parent(self) -> None:
+        with contextlib.suppress(OSError):  # full (the parent is behind: it reads the files anyway) or gone
+            os.write(self.notify, b"!")
+
+    def wait(self, *paths: Path) -> Path | None:
+        """Until one of ``paths`` exists (the first that does), or None once the parent is gone."""
+        import select
+
+        while True:
+            for path in paths:
+                if os.path.lexists(path):
+                    return path
+            ready, _, _ = select.select([self.fd], [], [], 1.0)
+            if ready:
+                try:
+                    while os.read(self.fd, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif not _alive(self.parent):
+                return None
+
+
+def serve(job_dir: Path, parent: int) -> int:
+    """A rank of a warm job: run call after call (``job_dir/call-<k>``, laid out as a fresh job's directory)
+    until the parent says stop, a call fails, or this process cannot be put back as new (:mod:`._reset`)."""
+    from commlib.testing._pool import RESET, STOP, answer_path, call_path
+    from commlib.testing._reset import Baseline
+
+    rank = _rank()
+    bell = _Bell(job_dir, rank, parent)
+    _line_buffer_output()
+    os.environ[WORKER_ENV] = "1"  # what a fresh worker's function sees
+    baseline = Baseline()
+    stop = job_dir / STOP
+    for k in itertools.count():
+        call_dir = call_path(job_dir, k)
+        if bell.wait(call_dir, stop) != call_dir:
+            return 0
+        _begin(call_dir, rank)
+        marks = None
+        try:
+            fn, args, kwargs = _load_call(call_dir)
+            marks = baseline.marks(fn.__module__)
+        except BaseException:  # reported like a failure of fn
+            outcome: tuple[str, Any] = (_ERROR, f"could not load the function to run:\n{traceback.format_exc()}")
+        else:
+            outcome = _call(fn, args, kwargs)
+        status, data = _encode(*outcome)
+        _write_atomic(_result_path(call_dir, rank, status), data)
+        bell.ring_parent()
+        if status != _OK or marks is None:
+            return 0  # a failed rank ends, as in a fresh job; the parent ends the job
+        if bell.wait(call_dir / RESET, stop) != call_dir / RESET:
+            return 0
+        why = baseline.reset(marks)
+        _write_atomic(answer_path(call_dir, rank, not why), (why or "ready").encode())
+        bell.ring_parent()
+        if why:
+            return 0
     return 0
 
 
