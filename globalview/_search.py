@@ -161,6 +161,8 @@ def _evaluate(factors, values, lam, cap, masks) -> Result:
             vals = np.where(f.out == values[f.output], vals, INF)
         c = int(np.argmin(vals))
         choices.append(c)
+        if not math.isfinite(float(vals[c])):  # no admissible candidate (a cap, a mask): infeasible
+            time = INF
         time += float(f.time[c]) + sum(float(t[c, values[v]]) for t, v in zip(f.in_time, f.inputs, strict=True))
         mem += float(f.mem[c]) + sum(float(m[c, values[v]]) for m, v in zip(f.in_mem, f.inputs, strict=True))
     if not math.isfinite(time):

@@ -91,6 +91,9 @@ def test_transient_caps_exclude_what_does_not_fit() -> None:
     assert solve([2], [f], budget=None).values == [0]  # no budget: the fast one
     assert solve([2], [f], budget=40.0, caps=[0.0, 50.0]).values == [1]  # 10 + 50 > 40: the slow one fits
     assert solve([2], [f], budget=70.0, caps=[0.0, 50.0]).values == [0]
+    both = Factor((), 0, np.array([0, 1]), np.array([1.0, 2.0]), np.array([1.0, 1.0]), peak=np.array([50.0, 60.0]))
+    assert solve([2], [both], budget=1000.0, caps=[0.0]) is None  # every candidate over the only cap
+    assert solve([2], [both], budget=1000.0, caps=[0.0, 50.0]).values == [0]
 
 
 class _FakeFlight:
