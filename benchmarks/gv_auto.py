@@ -11,10 +11,11 @@ steps are compared with single-process torch's (float32; the float64 check at rt
 then the automatic plan and every hand-written plan (data parallel, fully sharded, tensor parallel, and 2-D
 on a 2-D mesh; laid out with ``globalview.nn.to_global``, operators choosing their plans at run time) train
 in rotating order, ``--rounds`` rounds of ``--steps`` AdamW steps; the table shows the median per-step time
-of the slower rank, the prediction, and each plan's peak memory per rank (measured: the resident set's high
-water mark during training steps above what the process held before building the model; freed tensors leave
-the resident set because the ranks run with ``MALLOC_MMAP_THRESHOLD_``) next to the predicted one. Last, a
-memory budget below data parallel's measured peak: the plan auto_parallel chooses under it, measured.
+of the slower rank and the prediction. Then, every model's times taken, each plan's peak memory per rank:
+the resident set's high water mark during training steps above what the process held before building the
+model (the heap trimmed first; from this phase on, glibc's mmap threshold is fixed at 128 KiB so freed
+tensors leave the resident set at once), next to the predicted one. Last, a memory budget below data
+parallel's measured peak: the plan auto_parallel chooses under it, its peak and time measured.
 A benchmark, not a test: it never fails on times.
 """
 
@@ -62,6 +63,13 @@ def _trim() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _mmap_threshold(nbytes: int) -> None:
+    """glibc: allocations of ``nbytes`` or more are their own memory maps, unmapped when freed (fixed threshold)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
 
 
 def _reset_peak() -> None:
@@ -143,24 +151,29 @@ class Bench:
             worst = max(worst, abs(l2.item() - l1.item()) / abs(l1.item()))
         return worst
 
-    def times(self, models: dict[str, Any]) -> dict[str, float]:
-        """Median per-step seconds of each plan (the slower rank), plans in rotating order."""
+    def times(self, models: dict[str, Any], cpu: dict[str, float] | None = None) -> dict[str, float]:
+        """Median per-step seconds of each plan (the slower rank), plans in rotating order; ``cpu`` gets the
+        median per-step CPU seconds of the busier rank (what other jobs on the machine do not stretch)."""
         import numpy as np
 
         steps = {k: self.stepper(m) for k, m in models.items()}
         for step in steps.values():
             step(), step()  # warm-up: optimizer states, buckets, the gathers' order
         out: dict[str, list[float]] = {k: [] for k in steps}
+        used: dict[str, list[float]] = {k: [] for k in steps}
         names = list(steps)
         for r in range(self.args.rounds):
             for k in names[r % len(names) :] + names[: r % len(names)]:
                 self.commlib.barrier()
-                start = time.perf_counter()
+                start, busy = time.perf_counter(), time.process_time()
                 for _ in range(self.args.steps):
                     steps[k]()
-                slowest = np.array([(time.perf_counter() - start) / self.args.steps])
+                slowest = np.array([time.perf_counter() - start, time.process_time() - busy]) / self.args.steps
                 self.commlib.all_reduce(slowest, op=self.commlib.ReduceOp.MAX)
                 out[k].append(float(slowest[0]))
+                used[k].append(float(slowest[1]))
+        if cpu is not None:
+            cpu.update({k: statistics.median(v) for k, v in used.items()})
         return {k: statistics.median(v) for k, v in out.items()}
 
     def peak(self, kind: str, plan: Any) -> float:
@@ -184,25 +197,32 @@ class Bench:
         return float(peak[0])
 
 
-def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Plan, check, time and weigh every plan of one model (collective)."""
-    bench = Bench(name, args)
+def run_times(bench: Bench) -> dict[str, Any]:
+    """Plan, check and time every plan of one model (collective)."""
     plan, planning = bench.plan()
     kinds = ["automatic", *plan.alternatives]
-    out: dict[str, Any] = {"plan": plan, "planning": planning, "check": bench.check(plan)}
-    out["measured"] = bench.times({k: bench.build(k, plan) for k in kinds})
+    out: dict[str, Any] = {"plan": plan, "planning": planning, "check": bench.check(plan), "kinds": kinds}
+    out["cpu"] = {}
+    out["measured"] = bench.times({k: bench.build(k, plan) for k in kinds}, out["cpu"])
+    out["load"] = " ".join(f"{x:.1f}" for x in os.getloadavg())  # other jobs on the machine disturb the times
     out["predicted"] = {"automatic": plan.time} | {k: a["time"] for k, a in plan.alternatives.items()}
-    out["memory"] = {k: bench.peak(k, plan) for k in kinds}
+    return out
+
+
+def run_memory(bench: Bench, out: dict[str, Any]) -> None:
+    """Every plan's peak memory; then the plan under a budget below data parallel's peak (collective)."""
+    plan = out["plan"]
+    out["memory"] = {k: bench.peak(k, plan) for k in out["kinds"]}
     out["predicted memory"] = {"automatic": plan.memory} | {k: a["memory"] for k, a in plan.alternatives.items()}
-    budget = args.budget * out["memory"]["data parallel"]
+    budget = bench.args.budget * out["memory"]["data parallel"]
     try:
         tight, _ = bench.plan(budget)
     except ValueError as e:
         out["budget"] = (budget, None, str(e))
-        return out
+        return
+    peak = bench.peak("budget", tight)
     time_tight = bench.times({"budget": bench.build("budget", tight)})["budget"]
-    out["budget"] = (budget, tight, bench.peak("budget", tight), time_tight)
-    return out
+    out["budget"] = (budget, tight, peak, time_tight)
 
 
 def report(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
@@ -214,16 +234,16 @@ def report(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
         f"largest relative loss difference {r['check']:.1e} (float32)"
     )
     print(
-        f"{'plan':<18} {'ms/step':>9} {'predicted':>10} {'pred/meas':>10} {'vs fastest':>11} "
-        f"{'MiB/rank':>9} {'predicted':>10} {'pred/meas':>10}"
+        f"{'plan':<18} {'ms/step':>9} {'predicted':>10} {'pred/meas':>10} {'vs fastest':>11} {'cpu ms':>8} "
+        f"{'pred/cpu':>9} {'MiB/rank':>9} {'predicted':>10} {'pred/meas':>10}"
     )
     hand = {k: v for k, v in r["measured"].items() if k != "automatic"}
     fastest = min(hand.values())
     for k, t in r["measured"].items():
-        p, m, pm = r["predicted"][k], r["memory"][k], r["predicted memory"][k]
+        p, m, pm, c = r["predicted"][k], r["memory"][k], r["predicted memory"][k], r["cpu"][k]
         print(
-            f"{k:<18} {t * 1e3:>9.2f} {p * 1e3:>10.2f} {p / t:>10.2f} {t / fastest:>10.2f}x "
-            f"{m / mib:>9.1f} {pm / mib:>10.1f} {pm / max(m, 1):>10.2f}"
+            f"{k:<18} {t * 1e3:>9.2f} {p * 1e3:>10.2f} {p / t:>10.2f} {t / fastest:>10.2f}x {c * 1e3:>8.2f} "
+            f"{p / c:>9.2f} {m / mib:>9.1f} {pm / mib:>10.1f} {pm / max(m, 1):>10.2f}"
         )
     budget = r["budget"]
     if budget[1] is None:
@@ -235,7 +255,7 @@ def report(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
             f"{t * 1e3:.2f} ms/step (predicted {tight.time * 1e3:.2f}), peak {peak / mib:.1f} MiB (predicted "
             f"{tight.memory / mib:.1f}, measured/predicted {peak / tight.memory:.2f}), fits: {peak <= b}"
         )
-    print(f"# {TARGETS}: automatic / fastest {r['measured']['automatic'] / fastest:.2f}")
+    print(f"# {TARGETS}: automatic / fastest {r['measured']['automatic'] / fastest:.2f}; load average {r['load']}")
     print(plan)
 
 
@@ -246,7 +266,7 @@ def main() -> None:
         from commlib.launch._mpiexec import find_mpiexec
 
         n = "4" if args.mesh == "2x2" else "2"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         raise SystemExit(subprocess.call([find_mpiexec(), "-n", n, sys.executable, *sys.argv], env=env))
     os.environ.update(RANK=os.environ["PMI_RANK"], WORLD_SIZE=os.environ["PMI_SIZE"])
     import torch
@@ -254,10 +274,14 @@ def main() -> None:
     import commlib
 
     torch.set_num_threads(1)
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        result = run_model(name, args)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    benches = {name: Bench(name, args) for name in names}
+    results = {name: run_times(bench) for name, bench in benches.items()}
+    _mmap_threshold(128 << 10)  # memory from here on: freed tensors leave the resident set at once
+    for name, bench in benches.items():
+        run_memory(bench, results[name])
         if commlib.get_rank() == 0:
-            report(name, result, args)
+            report(name, results[name], args)
         sys.stdout.flush()
 
 

@@ -78,6 +78,14 @@ def _logs(points: tuple) -> tuple[np.ndarray, np.ndarray]:
     return np.log([b for b, _ in points]), np.log([max(s, 1e-9) for _, s in points])
 
 
+def clock() -> float:
+    """This process's CPU seconds when torch computes on one thread (other jobs on the machine do not stretch
+    them, as they stretch a wall clock); with more threads, the wall clock (CPU seconds would add them up)."""
+    import torch
+
+    return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def _fingerprint(pl: Placement) -> str:
     import torch
 
@@ -182,9 +190,9 @@ def _bandwidth() -> float:
     a, b = torch.ones(1 << 22), torch.ones(1 << 22)
     times = []
     for _ in range(6):
-        start = time.perf_counter()
+        start = clock()
         a.add_(b)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return 3 * a.numel() * 4 / float(np.median(times[1:]))
 
 
@@ -200,36 +208,38 @@ def _overheads(pl: Placement, machine: Machine) -> tuple[tuple[float, float], fl
     chain = 16
 
     def ops() -> tuple[float, float]:
-        start = time.perf_counter()
+        start = clock()
         y = x
         for _ in range(chain):
             y = torch.nn.functional.relu(y)  # through __torch_function__, as a module's forward calls it
-        mid = time.perf_counter()
+        mid = clock()
         y.to_local().sum().backward()
-        return mid - start, time.perf_counter() - mid
+        return mid - start, clock() - mid
 
     fwd, bwd = _median(ops, 7)
     t = torch.zeros(2, 2, requires_grad=True)
 
     def local() -> tuple[float, float]:  # the same chain in plain torch: what the operator timings already count
-        start = time.perf_counter()
+        start = clock()
         y = t
         for _ in range(chain):
             y = torch.nn.functional.relu(y)
-        mid = time.perf_counter()
+        mid = clock()
         y.sum().backward()
-        return mid - start, time.perf_counter() - mid
+        return mid - start, clock() - mid
 
-    lf, lb = _median(local, 7)
-    fwd, bwd = max(0.0, fwd - lf) / chain, max(0.0, bwd - lb) / chain
+    lf, _ = _median(local, 7)
+    # forward: beside torch's own (which operator timings count); backward: each operator's node beyond a
+    # backward() call's own cost (operator timings count their kernels and one call, which a step pays once)
+    fwd, bwd = max(0.0, fwd - lf) / chain, max(0.0, bwd - engine()) / chain
     op_overhead = (_slowest(fwd, commlib.ReduceOp.MAX), _slowest(bwd, commlib.ReduceOp.MAX))
     b = (broadcast,) * pl.ndim
 
     def boxing() -> tuple[float, float]:
-        start = time.perf_counter()
+        start = clock()
         for _ in range(chain):
             x.detach().to_global(sbp=b)
-        return time.perf_counter() - start, 0.0
+        return clock() - start, 0.0
 
     raw = sum(machine.collective("all_gather", pl.hierarchy[a], 16) for a in range(pl.ndim))
     step = max(0.0, _median(boxing, 5)[0] / chain - raw) / max(1, pl.ndim)
@@ -251,9 +261,9 @@ def _param_overhead(pl: Placement, op_overhead: tuple[float, float]) -> float:
 
     def timer(model: Any, x: Any) -> Callable[[], tuple[float, float]]:
         def step() -> tuple[float, float]:
-            start = time.perf_counter()
+            start = clock()
             model(x).sum().backward()
-            return time.perf_counter() - start, 0.0
+            return clock() - start, 0.0
 
         return step
 
@@ -283,9 +293,9 @@ def _optimizer(states: int) -> tuple[float, float]:
 
     def timer(opt: Any) -> Callable[[], tuple[float, float]]:
         def step() -> tuple[float, float]:
-            start = time.perf_counter()
+            start = clock()
             opt.step()
-            return time.perf_counter() - start, 0.0
+            return clock() - start, 0.0
 
         return step
 
@@ -294,6 +304,21 @@ def _optimizer(states: int) -> tuple[float, float]:
     per_param = _slowest(small, commlib.ReduceOp.MAX)
     per_byte = _slowest(max(0.0, large - per_param) / (4 << 22), commlib.ReduceOp.MAX)
     return per_param, per_byte
+
+
+def engine() -> float:
+    """Seconds a ``backward()`` call over one tiny operator costs (a step pays the call once, not per operator)."""
+    import torch
+
+    x = torch.zeros(1, requires_grad=True)
+
+    def once() -> tuple[float, float]:
+        y = x * 1.0
+        start = clock()
+        y.backward()
+        return clock() - start, 0.0
+
+    return _median(once, 15)[0]
 
 
 def _median(fn: Callable[[], tuple[float, float]], n: int) -> tuple[float, float]:

@@ -6,7 +6,6 @@ kept, so every rank prices with the same numbers; results join the machine's cac
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,19 +35,12 @@ def time_all(machine: _machine.Machine, requests: Mapping[str, tuple[Any, Sequen
     missing = sorted(k for k in requests if k not in machine.ops)
     if not missing:
         return
-    base = _engine()
+    base = _machine.engine()
     times = np.array([_time(*requests[k]) for k in missing], np.float64).reshape(len(missing), 2)
     times[:, 1] = np.maximum(times[:, 1] - base, times[:, 1] * 0.1)  # one backward runs every operator's
     commlib.all_reduce(times, op=commlib.ReduceOp.MAX)
     machine.ops.update({k: (float(f), float(b)) for k, (f, b) in zip(missing, times, strict=True)})
     _machine.save(machine)
-
-
-def _engine() -> float:
-    """Seconds a ``backward()`` call costs by itself (a step pays it once, not once per operator)."""
-    x = torch.zeros(1, requires_grad=True)
-    runs = [_once(lambda a: a * 1.0, [x]) for _ in range(20)]
-    return float(np.median([r[1] for r in runs[5:]]))
 
 
 def _inputs(node: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
@@ -70,12 +62,12 @@ def _inputs(node: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
 
 
 def _once(fn: Any, args: list[Any]) -> tuple[float, float]:
-    start = time.perf_counter()
+    start = _machine.clock()
     out = fn(*args)
-    mid = time.perf_counter()
+    mid = _machine.clock()
     if isinstance(out, torch.Tensor) and out.requires_grad:
         out.backward(torch.ones_like(out))
-    return mid - start, time.perf_counter() - mid
+    return mid - start, _machine.clock() - mid
 
 
 def _time(node: Any, shapes: Sequence[tuple[int, ...]]) -> tuple[float, float]:
