@@ -63,24 +63,31 @@ def auto_parallel(
     """
     call = f"{label()}globalview.auto_parallel"
     _check(call, module, placement, memory_per_rank, optimizer_states, plan)
-    if plan is not None:
-        return plan.apply(module)
-    from globalview.nn import _entries, check_module, globalize, localize
+    if plan is None:
+        from globalview.nn import check_module
 
-    check_module(module, placement, call)
-    inputs = _inputs(call, sample_input, placement)
+        check_module(module, placement, call)
+        plan = _search(call, module, placement, _inputs(call, sample_input, placement), memory_per_rank,
+                       optimizer_states, max_nodes)  # fmt: skip
+    return plan.apply(module)
+
+
+def _search(call: str, module: torch.nn.Module, pl: Placement, inputs: list, budget: Any, states: int, nodes: int):
+    """Trace, measure and time (every rank), search (rank 0), and send the plan to every rank."""
+    from globalview.nn import _entries, globalize, localize
+
     start = time.perf_counter()
-    globalize(module, placement, {n: (broadcast,) * placement.ndim for n, _, _ in _entries(module)})
-    traced = trace(module, placement, inputs)
+    globalize(module, pl, {n: (broadcast,) * pl.ndim for n, _, _ in _entries(module)})
+    traced = trace(module, pl, inputs)
     localize(module)
-    machine = fit(placement)
-    space = Space(Pricer(traced, machine, optimizer_states))
+    machine = fit(pl)
+    space = Space(Pricer(traced, machine, states))
     time_all(machine, space.timing_requests())
     measured = time.perf_counter() - start
     box: list[Any] = [None]
     if commlib.get_rank() == 0:
         try:
-            box[0] = _plan(space, _all_layouts(module, traced), memory_per_rank, max_nodes)
+            box[0] = _plan(space, _all_layouts(module, traced), budget, nodes)
         except ValueError as e:
             box[0] = f"{call}: {e}"
     commlib.broadcast_object_list(box, src=0)
@@ -89,7 +96,7 @@ def auto_parallel(
     chosen: AutoPlan = box[0]
     chosen.stats["trace and timing seconds"] = measured
     chosen.report += f"\n  planning: {measured:.2f} s tracing and timing, {chosen.stats['search seconds']:.2f} s search"
-    return chosen.apply(module)
+    return chosen
 
 
 def _check(call: str, module: Any, placement: Any, budget: Any, states: Any, plan: Any) -> None:

@@ -3,7 +3,8 @@
 :class:`AutoPlan` is what ``globalview.auto_parallel`` chose. ``str(plan)`` (``globalview.explain(module)``)
 prints it per layer next to the hand-written plans; :meth:`AutoPlan.save` / :meth:`AutoPlan.load` keep it as
 JSON; :meth:`AutoPlan.apply` lays a fresh module out as planned and pins the operators' signatures (no trace,
-no search): every forward of the module runs the planned signatures in order.
+no search): every forward of the module runs the planned signatures in order, and takes each rank's own batch
+as plain torch tensors (each made the rank's part of a global batch, ``split(0)``) or as global tensors.
 """
 
 from __future__ import annotations
@@ -123,10 +124,24 @@ class AutoPlan:
             raise ValueError(f"{call}: the plan is for another module: it lacks {missing} and has {extra}")
         globalize(module, self.placement, self.layouts, bucket_cap_mb)
         pinned = _Pinned(self.signatures)
-        module.register_forward_pre_hook(lambda m, args: pinned.enter())
+
+        def enter(m: Any, args: tuple) -> tuple:
+            pinned.enter()
+            return tuple(_batch(a, self.placement) for a in args)
+
+        module.register_forward_pre_hook(enter)
         module.register_forward_hook(lambda m, args, out: pinned.exit(), always_call=True)
         object.__setattr__(module, "_gv_plan", self)
         return module
+
+
+def _batch(a: Any, pl: Placement) -> Any:
+    """A forward argument that is a plain torch tensor is this rank's part of a batch: split(0) on every axis."""
+    if not isinstance(a, torch.Tensor) or getattr(a, "_gv_layout", None) is not None:
+        return a
+    from globalview._tensor import to_global
+
+    return to_global(a, pl, (split(0),) * pl.ndim)
 
 
 class _Pinned(Session):

@@ -198,52 +198,62 @@ def _bandwidth() -> float:
 
 def _overheads(pl: Placement, machine: Machine) -> tuple[tuple[float, float], float, float]:
     """globalview's own seconds per operator (forward, backward), per boxing step, and per parameter."""
+    op = _op_overhead(pl)
+    return op, _step_overhead(pl, machine), _param_overhead(pl, op)
+
+
+def _relus(x: Any, chain: int) -> Callable[[], tuple[float, float]]:
+    """A chain of ``chain`` relus from ``x`` (global or local), forward then backward: the two times."""
     import torch
 
-    from globalview._create import zeros
-    from globalview.sbp import broadcast, split
-
-    x = zeros(2 * len(pl.flat), 2, dtype=torch.float32, placement=pl, sbp=(split(0),) * pl.ndim)
-    x = x.requires_grad_()
-    chain = 16
-
-    def ops() -> tuple[float, float]:
+    def run() -> tuple[float, float]:
         start = clock()
         y = x
         for _ in range(chain):
             y = torch.nn.functional.relu(y)  # through __torch_function__, as a module's forward calls it
         mid = clock()
-        y.to_local().sum().backward()
+        (y.to_local() if hasattr(y, "to_local") else y).sum().backward()
         return mid - start, clock() - mid
 
-    fwd, bwd = _median(ops, 7)
-    t = torch.zeros(2, 2, requires_grad=True)
+    return run
 
-    def local() -> tuple[float, float]:  # the same chain in plain torch: what the operator timings already count
-        start = clock()
-        y = t
-        for _ in range(chain):
-            y = torch.nn.functional.relu(y)
-        mid = clock()
-        y.sum().backward()
-        return mid - start, clock() - mid
 
-    lf, _ = _median(local, 7)
-    # forward: beside torch's own (which operator timings count); backward: each operator's node beyond a
-    # backward() call's own cost (operator timings count their kernels and one call, which a step pays once)
-    fwd, bwd = max(0.0, fwd - lf) / chain, max(0.0, bwd - engine()) / chain
-    op_overhead = (_slowest(fwd, commlib.ReduceOp.MAX), _slowest(bwd, commlib.ReduceOp.MAX))
+def _op_overhead(pl: Placement) -> tuple[float, float]:
+    """Per operator: forward beside torch's own (which operator timings count); backward, each operator's node
+    beyond a backward() call's own cost (operator timings count their kernels and one call, a step pays it once)."""
+    import torch
+
+    from globalview._create import zeros
+    from globalview.sbp import split
+
+    chain = 16
+    x = zeros(2 * len(pl.flat), 2, dtype=torch.float32, placement=pl, sbp=(split(0),) * pl.ndim).requires_grad_()
+    fwd, bwd = _median(_relus(x, chain), 7)
+    local, _ = _median(_relus(torch.zeros(2, 2, requires_grad=True), chain), 7)
+    fwd, bwd = max(0.0, fwd - local) / chain, max(0.0, bwd - engine()) / chain
+    return _slowest(fwd, commlib.ReduceOp.MAX), _slowest(bwd, commlib.ReduceOp.MAX)
+
+
+def _step_overhead(pl: Placement, machine: Machine) -> float:
+    """Per boxing step, beside its collective: tiny conversions to broadcast, less the measured collectives."""
+    import torch
+
+    from globalview._create import zeros
+    from globalview.sbp import broadcast, split
+
+    chain = 16
+    x = zeros(2 * len(pl.flat), 2, dtype=torch.float32, placement=pl, sbp=(split(0),) * pl.ndim)
     b = (broadcast,) * pl.ndim
 
     def boxing() -> tuple[float, float]:
         start = clock()
         for _ in range(chain):
-            x.detach().to_global(sbp=b)
+            x.to_global(sbp=b)
         return clock() - start, 0.0
 
     raw = sum(machine.collective("all_gather", pl.hierarchy[a], 16) for a in range(pl.ndim))
     step = max(0.0, _median(boxing, 5)[0] / chain - raw) / max(1, pl.ndim)
-    return op_overhead, _slowest(step, commlib.ReduceOp.MAX), _param_overhead(pl, op_overhead)
+    return _slowest(step, commlib.ReduceOp.MAX)
 
 
 def _param_overhead(pl: Placement, op_overhead: tuple[float, float]) -> float:

@@ -40,7 +40,7 @@ opt_single, opt = torch.optim.AdamW(single.parameters(), lr=1e-2), torch.optim.A
 for step, b in enumerate(batches):
     want = single(*b)
     opt_single.zero_grad(), want.backward(), opt_single.step()
-    loss = model(*(gv.to_global(mine(t), placement, gv.sbp.split(0)) for t in b))
+    loss = model(*(mine(t) for t in b))  # each rank's own batch, as a data loader gives it
     opt.zero_grad(), loss.backward(), opt.step()
     print(f"step {step} loss {loss.item():.12f} single {want.item():.12f}", flush=True)
 
@@ -51,5 +51,5 @@ with tempfile.TemporaryDirectory() as tmp:  # each rank its own copy here; in a 
     path = Path(tmp) / "plan.json"
     plan.save(path)
     again = gv.auto_parallel(make("gpt", "smoke", DTYPE), placement, None, plan=gv.AutoPlan.load(path))
-loss = again(*(gv.to_global(mine(t), placement, gv.sbp.split(0)) for t in batches[0]))
+loss = again(*(mine(t) for t in batches[0]))
 print(f"the saved plan, applied to a fresh model: loss {loss.item():.12f}", flush=True)
