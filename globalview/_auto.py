@@ -37,6 +37,7 @@ __all__ = ["auto_parallel", "standard_layouts"]
 
 Layout = tuple[SbpParallel, ...]
 MIB = 1 << 20
+SEARCH_SECONDS = 20.0  # under a budget, the branch and bound stops here with its proven gap
 
 
 def auto_parallel(
@@ -47,7 +48,7 @@ def auto_parallel(
     *,
     optimizer_states: int = 2,
     plan: AutoPlan | None = None,
-    max_nodes: int = 200,
+    max_nodes: int = 64,
 ) -> torch.nn.Module:
     """Make ``module`` global on ``placement`` with the plan of least predicted step time; returns it (collective).
 
@@ -186,7 +187,7 @@ def _plan(space: Space, layouts: dict[str, Layout], budget: float | None, max_no
     start = time.perf_counter()
     factors = space.factors()
     domains = [len(d) for d in space.domains]
-    result = solve(domains, factors, budget, caps_of(factors), max_nodes)
+    result = solve(domains, factors, budget, caps_of(factors), max_nodes, max_seconds=SEARCH_SECONDS)
     if result is None:
         least = minimize(domains, factors, lam=1e12)
         raise ValueError(
@@ -196,16 +197,15 @@ def _plan(space: Space, layouts: dict[str, Layout], budget: float | None, max_no
     searched = time.perf_counter() - start
     auto = space.decode(result)
     priced = space.price(auto)
-    uses = space.pricer.last_use
     alternatives = {}
     for name, lay in standard_layouts(space.trace).items():
         b = space.price(space.greedy(lay))
-        alternatives[name] = {"layouts": lay, "time": b.time, "memory": b.memory(uses)}
+        alternatives[name] = {"layouts": lay, "time": b.time, "memory": b.memory()}
     layouts = {**layouts, **auto.layouts}
     sigs = [(n.call, c.inputs, c.output) for n, c in zip(space.trace.nodes, auto.cands, strict=True)]
     stats = {"search seconds": searched, "nodes": result.nodes, "gap seconds": result.gap, "budget": budget}
     stats |= {"variables": len(domains), "factors": len(factors)}
-    plan = AutoPlan(space.trace.placement, layouts, sigs, priced.time, priced.memory(uses), alternatives, "", stats)
+    plan = AutoPlan(space.trace.placement, layouts, sigs, priced.time, priced.memory(), alternatives, "", stats)
     plan.report = _report(space, auto, priced, plan)
     return plan
 

@@ -10,7 +10,8 @@ A plan gives every parameter a layout and every operator a signature. Its predic
 
 Memory per rank: each parameter's part, its gradient and optimizer states (and, summed in buckets, the
 bucket's copy); the activations autograd keeps (an operator's saved inputs as it got them, once per tensor;
-its saved output); and, transient, a gathered weight twice (it and the next one, prefetched).
+its saved output); and the largest transient: a gathered weight's whole copies (it, the next one prefetched,
+two gradients on their way to the reduce_scatter), an operator's gradients in backward, Adam's temporaries.
 Pure given the machine's measurements: no communication.
 """
 
@@ -37,6 +38,7 @@ __all__ = ["OPT_PASSES", "Cand", "Pricer", "candidates", "param_layouts"]
 
 Layout = tuple[SbpParallel, ...]
 OPT_PASSES = {0: 3, 1: 6, 2: 12}  # memory passes of SGD, SGD with momentum, Adam over each element (read + write)
+GATHERED = 4  # whole copies of a gathered weight alive at once: it, the next (prefetched), two gradients
 BUCKET_BYTES = 25 << 20  # the reducers' buckets: reductions are priced at this size's rate
 LONE_BYTES = 4 << 20  # a gradient this large is reduced where it is (no copies into a bucket and back)
 
@@ -100,7 +102,6 @@ class Pricer:
         self.coords = self.pl.coords(self.pl.flat[0])
         self.ranks = len(self.pl.flat)
         self.owner = self._owners()
-        self.last_use = {src: max(n for n, _ in uses) for src, uses in trace.users.items()}
 
     def _owners(self) -> dict[str, int]:
         """The node whose cost counts a tensor's saved storage: its producer if it saves it, else its first saver."""
@@ -165,7 +166,7 @@ class Pricer:
             mem = self.nbytes(shape, dst, dtype)
         elif saved and not param and owns:
             mem = self.nbytes(shape, src, dtype)
-        peak = 2.0 * self.nbytes(shape, dst, dtype) if param and _gathers(p) else 0.0
+        peak = GATHERED * self.nbytes(shape, dst, dtype) if param and _gathers(p) else 0.0
         return Edge(t, mem, peak, moved / self.ranks)
 
     # -- operators ---------------------------------------------------------------------------
@@ -181,6 +182,15 @@ class Pricer:
         over_f, over_b = self.machine.op_overhead
         grad = any(node.grads)
         return fwd + over_f + ((bwd + over_b) if grad else 0.0)
+
+    def transient(self, node: Node, cand: Cand) -> float:
+        """Bytes alive for a moment in the operator's backward: its output's gradient and its inputs'."""
+        if not any(node.grads):
+            return 0.0
+        out = math.prod(self.local(node.out_shape, cand.output)) * node.out_dtype.itemsize
+        inputs = zip(node.shapes, cand.inputs, node.dtypes, node.grads, strict=True)
+        ins = sum(self.nbytes(s, lay, d) for s, lay, d, g in inputs if g)
+        return float(out + ins)
 
     def kept(self, node: Node, cand: Cand) -> float:
         """Bytes the operator itself keeps for backward: its output (if saved) and its other saved tensors."""

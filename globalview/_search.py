@@ -16,7 +16,9 @@ time within the budget, or, when the node limit stops the search first, the best
 
 from __future__ import annotations
 
+import heapq
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -176,21 +178,73 @@ def solve(
     budget: float | None = None,
     caps: Sequence[float] = (INF,),
     max_nodes: int = 200,
+    max_seconds: float = INF,
 ) -> Result | None:
-    """The least-time assignment with memory + cap <= ``budget`` over the transient ``caps`` (None: infeasible)."""
+    """The least-time assignment with memory + cap <= ``budget`` over the transient ``caps`` (None: infeasible).
+
+    Best-first branch and bound over (cap, masks) nodes, each bounded by its Lagrangian dual: the first node
+    whose bound is no better than the best plan found ends the search (the optimum); ``max_nodes`` hull walks
+    (and ``max_seconds``) at most, after which the best found comes with its proven gap."""
+    deadline = time.perf_counter() + max_seconds
     order = _order(domains, [f.variables() for f in factors])
     if budget is None:  # ties in time go to the plan with less memory (1 us per MiB: below any real difference)
         return minimize(domains, factors, TIE, order=order)
     best: Result | None = None
-    for cap in sorted(caps):
-        room = budget - (0.0 if math.isinf(cap) else cap)
+    queue: list[tuple[float, int, float, dict]] = []  # (lower bound, tie, cap, masks)
+    floor = max((_least_peak(f) for f in factors), default=0.0)  # every factor holds some transient
+    for cap in sorted(c for c in caps if floor <= c and (c <= budget or math.isinf(c))):
         fastest = minimize(domains, factors, 0.0, cap, None, order)  # a bound for this cap, whatever the memory
         if not math.isfinite(fastest.time) or (best is not None and fastest.time >= best.time):
             continue
-        found = _branch_and_bound(domains, factors, room, cap, order, max_nodes, best)
-        if found is not None and (best is None or found.time < best.time):
-            best = found
+        room = budget - (0.0 if math.isinf(cap) else cap)
+        if fastest.mem <= room:  # the fastest with this cap fits: nothing better under it
+            best = fastest
+        else:
+            heapq.heappush(queue, (fastest.time, len(queue), cap, {}))
+    nodes = 0
+    while queue and nodes < max_nodes and (best is None or time.perf_counter() < deadline):
+        bound, _, cap, masks = heapq.heappop(queue)
+        if best is not None and bound >= best.time * (1 - 1e-9):
+            queue.clear()  # best first: every other node is bounded no better
+            break
+        nodes += 1
+        room = budget - (0.0 if math.isinf(cap) else cap)
+        best = _expand(domains, factors, room, cap, order, masks, best, queue)
+    if best is not None:
+        best.nodes = nodes
+        best.gap = max(0.0, best.time - min(b for b, *_ in queue)) if queue else 0.0
     return best
+
+
+def _expand(domains, factors, room, cap, order, masks, best, queue) -> Result | None:
+    """One node: its hull walk; a better plan found replaces ``best``; children go on the queue."""
+    found, bound, low = _hull(domains, factors, room, cap, order, masks)
+    if found is None:
+        return best
+    if best is None or found.time < best.time:
+        best = found
+    if low is None or bound >= best.time * (1 - 1e-9):
+        return best
+    key = _differing(domains, factors, low, found)
+    if key is None:
+        return best
+    size = domains[key[1]] if key[0] == "v" else len(factors[key[1]].out)
+    value = low.values[key[1]] if key[0] == "v" else low.choices[key[1]]
+    keep = masks.get(key, np.ones(size, bool))
+    one, rest = np.zeros_like(keep), keep.copy()
+    one[value] = True
+    rest[value] = False
+    for child in ({**masks, key: rest}, {**masks, key: one & keep}):
+        heapq.heappush(queue, (bound, id(child), cap, child))
+    return best
+
+
+def _least_peak(f: Factor) -> float:
+    """The least transient any candidate of ``f`` holds, whatever its inputs' values."""
+    peak = np.zeros(len(f.out)) if f.peak is None else f.peak.astype(float)
+    for p in f.in_peak:
+        peak = np.maximum(peak, p.min(axis=1))
+    return float(peak.min()) if peak.size else 0.0
 
 
 def _hull(domains, factors, room, cap, order, masks) -> tuple[Result | None, float, Result | None]:
@@ -216,37 +270,6 @@ def _hull(domains, factors, room, cap, order, masks) -> tuple[Result | None, flo
             lo = mid
     lam = (hi.time - lo.time) / (lo.mem - hi.mem)
     return hi, lo.time + lam * (lo.mem - room), lo
-
-
-def _branch_and_bound(domains, factors, room, cap, order, max_nodes, incumbent) -> Result | None:
-    """Branch on a variable (or a factor's candidate) where the hull's two ends differ, pruning by the
-    Lagrangian bound; the node limit leaves the rest open (their bounds give the gap)."""
-    best = incumbent
-    stack: list[tuple[dict, float]] = [({}, -INF)]  # (masks, the parent's bound)
-    nodes = 0
-    while stack and nodes < max_nodes:
-        masks, _ = stack.pop()
-        nodes += 1
-        found, bound, low = _hull(domains, factors, room, cap, order, masks)
-        if found is None or (best is not None and bound >= best.time * (1 - 1e-9)):
-            continue
-        if best is None or found.time < best.time:
-            best = found
-        key = _differing(domains, factors, low, found) if low is not None and bound < found.time * (1 - 1e-9) else None
-        if key is None:
-            continue
-        size = domains[key[1]] if key[0] == "v" else len(factors[key[1]].out)
-        value = low.values[key[1]] if key[0] == "v" else low.choices[key[1]]
-        keep = masks.get(key, np.ones(size, bool))
-        one, rest = np.zeros_like(keep), keep.copy()
-        one[value] = True
-        rest[value] = False
-        stack += [({**masks, key: rest}, bound), ({**masks, key: one & keep}, bound)]
-    if best is not None:
-        best.nodes = nodes
-        open_bound = min((b for _, b in stack), default=INF)  # the node limit stopped these
-        best.gap = max(0.0, best.time - open_bound) if stack else 0.0
-    return best
 
 
 def _differing(domains: Sequence[int], factors: Sequence[Factor], a: Result, b: Result) -> tuple[str, int] | None:

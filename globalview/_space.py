@@ -43,7 +43,7 @@ class Breakdown:
     node_comm: list[float] = field(default_factory=list)  # of which boxing
     node_moved: list[float] = field(default_factory=list)  # bytes each rank receives (forward + backward)
     node_mem: list[float] = field(default_factory=list)  # activations kept for backward
-    peak: float = 0.0  # the largest transient (a gathered weight, twice)
+    peak: float = 0.0  # the largest transient in forward and backward (gathered weights, an operator's gradients)
     param_time: dict[str, float] = field(default_factory=dict)
     param_mem: dict[str, float] = field(default_factory=dict)  # the part, optimizer states, bucket copy
     param_grad: dict[str, float] = field(default_factory=dict)
@@ -54,22 +54,11 @@ class Breakdown:
         """Predicted seconds per training step."""
         return sum(self.node_time) + sum(self.param_time.values())
 
-    def memory(self, last_use: Mapping[str, int]) -> float:
-        """Predicted peak bytes per rank: the persistent state, plus the most that is alive during backward
-        (the activations of the operators not yet differentiated and the gradients made so far, and the
-        transient gathered weights) or after it (every gradient)."""
-        persistent = sum(self.param_mem.values())
-        acts = np.cumsum(self.node_mem) if self.node_mem else np.zeros(1)
-        peak = 0.0
-        for k in range(len(self.node_mem)):
-            grads = sum(g for name, g in self.param_grad.items() if last_use.get(f"param:{name}", -1) >= k)
-            peak = max(peak, float(acts[k]) + grads)
-        return persistent + max(peak + self.peak, sum(self.param_grad.values()) + self.step_peak)
-
-    def bound(self) -> float:
-        """The search's memory (an upper bound of :meth:`memory`): everything at once, and the larger transient."""
-        everything = sum(self.param_mem.values()) + sum(self.param_grad.values()) + sum(self.node_mem)
-        return everything + max(self.peak, self.step_peak)
+    def memory(self) -> float:
+        """Predicted peak bytes per rank: the parameters' state and gradients, the activations kept for backward,
+        and the largest transient (what the search bounds: all of it counted as alive at once)."""
+        state = sum(self.param_mem.values()) + sum(self.param_grad.values())
+        return state + sum(self.node_mem) + max(self.peak, self.step_peak)
 
 
 class Space:
@@ -126,6 +115,7 @@ class Space:
         outs = {lay: k for k, lay in enumerate(self.domains[out_var])}
         time = np.array([p.compute(node, c) for c in cands])
         mem = np.array([p.kept(node, c) for c in cands])
+        transient = np.array([p.transient(node, c) for c in cands])
         in_time, in_mem, peaks = [], [], []
         for i, v in enumerate(ins):
             edges = [[p.edge(node.index, i, src, c.inputs[i]) for src in self.domains[v]] for c in cands]
@@ -139,7 +129,8 @@ class Space:
             in_time = [sum(in_time[i] for i in ps) for ps in pos]
             in_mem = [sum(in_mem[i] for i in ps) for ps in pos]
             peaks = [np.max([peaks[i] for i in ps], axis=0) for ps in pos]
-        return Factor(unique, out_var, np.array([outs[c.output] for c in cands]), time, mem, in_time, in_mem, peaks)
+        out = np.array([outs[c.output] for c in cands])
+        return Factor(unique, out_var, out, time, mem, in_time, in_mem, peaks, peak=transient)
 
     def _admissible(self, node: Any, cands: list[Cand], ins: tuple[int, ...], in_time: list) -> list:
         """reshape keeps no split of a nested input: those (input layout, signature) pairs cost INF."""
@@ -180,7 +171,7 @@ class Space:
             b.node_comm.append(comm)
             b.node_moved.append(sum(e.moved for e in edges))
             b.node_mem.append(p.kept(node, cand) + sum(e.mem for e in edges))
-            b.peak = max([b.peak] + [e.peak for e in edges])
+            b.peak = max([b.peak, p.transient(node, cand)] + [e.peak for e in edges])
         for name in self.params():
             b.param_time[name], b.param_mem[name], b.param_grad[name] = p.param(name, a.layouts[name])
             b.step_peak = max(b.step_peak, p.step_temporaries(name, a.layouts[name]))

@@ -38,6 +38,7 @@ __all__ = ["Gathers", "gathered_axis"]
 
 BUCKET_MB = 25.0  # reduce_scatter buckets (the whole gradients' bytes), as ddp's all-reduce buckets
 LONE_MB = 4.0  # an evenly split gradient this large is reduced where it is (no copy into a bucket)
+IN_FLIGHT = 2  # reduce_scatters pending at once (FSDP2 keeps one): each holds its whole gradients
 
 
 def gathered_axis(p: Plan) -> int | None:
@@ -240,7 +241,7 @@ class _Buckets:
         self.plan: list[list[Any]] | None = None  # buckets of keys, from the first backward's order
         self.arrived: list[Any] = []
         self.waiting: dict[int, dict[Any, torch.Tensor]] = {}  # bucket -> the gradients it has
-        self.flights: list[tuple[Any, list[Any], torch.Tensor, set[Any]]] = []  # (work, keys, out, arrived keys)
+        self.flights: list[list[Any]] = []  # [work (None once done), keys, out, arrived keys]
 
     def _bucket_of(self, key: Any) -> int | None:
         for b, keys in enumerate(self.plan or ()):
@@ -278,7 +279,15 @@ class _Buckets:
         out = torch.empty(inp.numel() // p, dtype=inp.dtype, device=inp.device)
         work = commlib.reduce_scatter_tensor(as_array(out), as_array(inp.reshape(-1)), group=line.group, async_op=True)
         _groups.note("reduce_scatter", line.ranks, inp.numel() * inp.element_size())
-        self.flights.append((work, keys, out, set(grads)))
+        self.flights.append([work, keys, out, set(grads)])
+        self._limit()
+
+    def _limit(self) -> None:
+        """At most ``IN_FLIGHT`` reduce_scatters pending (each holds a whole gradient): wait for the oldest."""
+        pending = [f for f in self.flights if f[0] is not None]
+        for f in pending[: max(0, len(pending) - IN_FLIGHT)]:
+            f[0].wait()
+            f[0] = None
 
     def finish(self) -> None:
         """Issue what is incomplete (zeros for the missing), wait in issue order, sum broadcast axes, write .grad."""
@@ -286,10 +295,11 @@ class _Buckets:
             self._issue(self.plan[b], self.waiting[b])
         self.waiting.clear()
         sums = []
-        for work, keys, out, _ in self.flights:
-            if work is not None:
-                work.wait()
-            sums += self._sum_broadcast(keys, out)
+        for f in self.flights:
+            if f[0] is not None:
+                f[0].wait()
+                f[0] = None
+            sums += self._sum_broadcast(f[1], f[2])
         for work in sums:
             work.wait()
         for _, keys, out, present in self.flights:
