@@ -62,6 +62,7 @@ class GPT(nn.Module):
         super().__init__()
         self.vocab = vocab
         self.wte = nn.Embedding(vocab, d)
+        nn.init.normal_(self.wte.weight, std=0.02)  # GPT-2's: the tied head's logits start small
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
         self.blocks = nn.ModuleList(Block(d, heads, seq) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
