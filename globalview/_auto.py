@@ -81,7 +81,9 @@ def _search(call: str, module: torch.nn.Module, pl: Placement, inputs: list, bud
     globalize(module, pl, {n: (broadcast,) * pl.ndim for n, _, _ in _entries(module)})
     traced = trace(module, pl, inputs)
     localize(module)
-    machine = fit(pl)
+    largest = max(math.prod(t.shape) * t.dtype.itemsize for t in traced.leaves.values())
+    largest = max([largest] + [math.prod(n.out_shape) * n.out_dtype.itemsize for n in traced.nodes])
+    machine = fit(pl, largest)
     space = Space(Pricer(traced, machine, states))
     time_all(machine, space.timing_requests())
     measured = time.perf_counter() - start

@@ -1,11 +1,14 @@
 """The machine the automatic planner prices plans on: collectives measured, operators timed, cached.
 
 :func:`fit` measures, collectively on every rank of a placement, how long commlib's collectives take
-(all_gather, reduce_scatter, all_reduce, all_to_all) over groups of each size the placement's mesh
-lines and sub-meshes form, at a few sizes from 4 KiB to 32 MiB, and what globalview itself adds per
-operator and per boxing step (Python, autograd). :meth:`Machine.collective` interpolates the measured
-times (log-log between sizes, in proportion beyond the largest). Every rank measures at once (as a
-training step runs), and the slowest rank's times are kept: the step waits for it.
+(all_gather, reduce_scatter, all_reduce, all_to_all) over groups of each size the placement's mesh lines
+and sub-meshes form, at sizes from 4 KiB, 8 times apart, up to the model's largest tensor (128 MiB at
+most; a larger model later completes the table), and what globalview itself adds per operator, per boxing
+step and per parameter (Python, autograd hooks), memory bandwidth and the optimizer's step.
+:meth:`Machine.collective` interpolates the measured times (log-log between sizes, in proportion beyond
+the largest). Every rank measures at once (as a training step runs), and the slowest rank's times are
+kept: the step waits for it. Computation is timed in this process's CPU seconds when torch runs one
+thread (:func:`clock`): other jobs on a shared machine stretch wall-clock times, not those.
 
 The results are cached in a JSON file (``GLOBALVIEW_CACHE``, default ``~/.cache/globalview/machine.json``),
 keyed by the host, the world and torch's thread count; operator timings (``_optime``) go in the same file.
@@ -33,7 +36,7 @@ from globalview._placement import placement as Placement
 __all__ = ["KINDS", "Machine", "cache_path", "fit"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 22, 1 << 25)  # bytes of each rank's buffer
+SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 21, 1 << 24, 1 << 27)  # bytes of each rank's buffer (x8 apart)
 REPEATS = 5
 
 
@@ -117,23 +120,31 @@ def save(machine: Machine) -> None:
     tmp.replace(path)
 
 
-def fit(pl: Placement, refresh: bool = False) -> Machine:
-    """The machine as this placement sees it: from the cache, or measured now (collective: every rank calls it)."""
+def fit(pl: Placement, largest: int = SIZES[-1], refresh: bool = False) -> Machine:
+    """The machine as this placement sees it, collectives measured up to the first size of at least ``largest``
+    bytes (a model's largest tensor): from the cache, completed or measured now (collective: every rank calls it)."""
     key = _fingerprint(pl)
     box: list[Any] = [None if refresh else _load(key)]
     commlib.broadcast_object_list(box, src=0)  # every rank prices with rank 0's numbers
-    if box[0] is not None:
-        data = box[0]
-        comm = {k: [tuple(x) for x in v] for k, v in data.pop("comm").items()}
-        ops = {k: tuple(v) for k, v in data.pop("ops", {}).items()}
-        data["op_overhead"] = tuple(data["op_overhead"])
-        data["optimizer"] = {k: tuple(v) for k, v in data.get("optimizer", {}).items()}
-        return Machine(key, comm, ops=ops, **data)
-    machine = Machine(key, _measure_comm(pl))
-    machine.bandwidth = _slowest(_bandwidth())
-    machine.op_overhead, machine.step_overhead, machine.param_overhead = _overheads(pl, machine)
-    machine.optimizer = {str(k): _optimizer(k) for k in (0, 1, 2)}
-    save(machine)
+    sizes = [n for n in SIZES if n < largest] + [next((n for n in SIZES if n >= largest), SIZES[-1])]
+    if box[0] is None:
+        machine = Machine(key, _measure_comm(pl, sizes))
+        machine.bandwidth = _slowest(_bandwidth())
+        machine.op_overhead, machine.step_overhead, machine.param_overhead = _overheads(pl, machine)
+        machine.optimizer = {str(k): _optimizer(k) for k in (0, 1, 2)}
+        save(machine)
+        return machine
+    data = box[0]
+    comm = {k: [tuple(x) for x in v] for k, v in data.pop("comm").items()}
+    ops = {k: tuple(v) for k, v in data.pop("ops", {}).items()}
+    data["op_overhead"] = tuple(data["op_overhead"])
+    data["optimizer"] = {k: tuple(v) for k, v in data.get("optimizer", {}).items()}
+    machine = Machine(key, comm, ops=ops, **data)
+    have = max((b for points in comm.values() for b, _ in points), default=0)
+    if sizes[-1] > have:  # a larger model than measured for: the larger sizes now
+        more = _measure_comm(pl, [n for n in sizes if n > have])
+        machine.comm = {k: comm.get(k, []) + more[k] for k in more}
+        save(machine)
     return machine
 
 
@@ -155,11 +166,11 @@ def _groups_by_size(pl: Placement) -> dict[int, Any]:
     return {p: g for p, g in out.items() if p > 1}
 
 
-def _measure_comm(pl: Placement) -> dict[str, list[tuple[int, float]]]:
+def _measure_comm(pl: Placement, sizes: list[int]) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for p, group in sorted(_groups_by_size(pl).items()):
         for kind in KINDS:
-            out[f"{kind}/{p}"] = [(n, _time_collective(kind, p, n, group)) for n in SIZES]
+            out[f"{kind}/{p}"] = [(n, _time_collective(kind, p, n, group)) for n in sizes]
     return out
 
 

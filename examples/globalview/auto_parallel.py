@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _models import batch, make
 
 torch.set_num_threads(1)
-DTYPE, STEPS = torch.float64, 10
+DTYPE, STEPS = torch.float64, 5
 placement = gv.placement("cpu", list(range(commlib.get_world_size())))
 n, me = len(placement.flat), commlib.get_rank()
 single, model = make("gpt", "smoke", DTYPE), make("gpt", "smoke", DTYPE)
