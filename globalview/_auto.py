@@ -73,7 +73,9 @@ def auto_parallel(
     return plan.apply(module)
 
 
-def _search(call: str, module: torch.nn.Module, pl: Placement, inputs: list, budget: Any, states: int, nodes: int):
+def _search(
+    call: str, module: torch.nn.Module, pl: Placement, inputs: list, budget: Any, states: int, nodes: int
+) -> AutoPlan:
     """Trace, measure and time (every rank), search (rank 0), and send the plan to every rank."""
     from globalview.nn import _entries, globalize, localize
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,10 +192,3 @@ def trace(module: torch.nn.Module, placement: Placement, inputs: Sequence[Global
     del out, outs
     leaves = {k: v for k, v in tracer.leaves.items() if k.startswith(("param:", "buffer:", "input:", "const:"))}
     return Trace(placement, tracer.nodes, leaves, outputs)
-
-
-def local_numel(shape: Sequence[int], pl: Placement, layout: Layout) -> int:
-    """Elements of the first rank's part of a ``shape`` tensor laid out ``layout`` (the largest part)."""
-    from globalview._layout import block_shape
-
-    return math.prod(block_shape(tuple(shape), pl.hierarchy, layout, pl.coords(pl.flat[0])))
