@@ -3,6 +3,8 @@
     python benchmarks/gv_train.py                 # starts its own 2 ranks under mpiexec
     python benchmarks/gv_train.py --batch 64 --repeats 9
     python benchmarks/gv_train.py --fsdp-batch 32 --fsdp-batch 2560   # fully sharded rows at these batches
+    python benchmarks/gv_train.py --fsdp-only     # only the fully sharded rows
+    python benchmarks/gv_train.py --smoke         # tiny sizes, one round (seconds)
 
 The MLP of benchmarks/ddp_step.py (1024 -> 4096 -> 4096 -> 1024, 25.2M float32 parameters), the
 same per-rank batch, trained four ways in the same processes: bare (no communication: the
@@ -16,8 +18,10 @@ median round's per-step time of the slower rank. A benchmark, not a test: it nev
 Fully sharded (every parameter ``split(0)``: each rank holds half of the weights) is timed against
 torch's FSDP2 (``fully_shard`` on each Linear and the root) on torch.distributed backend "commlib",
 in the same processes, at each ``--fsdp-batch``: at a small batch globalview moves the activations,
-at a large one the weights (gathered per layer, released, gathered again in backward, gradients
-reduce-scattered), as ``globalview.explain`` prices them.
+at a large one the weights, as ``globalview.explain`` prices them, with FSDP2's schedule
+(``globalview._weights``): each Linear's gather prefetched while the one before computes, the gathered
+weight freed after use and gathered again (prefetched) in backward, the gradients reduce-scattered in
+buckets as backward makes them.
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 TARGET = "target: globalview data parallel / ddp <= 1.05"
-FSDP_TARGET = "target: globalview fully sharded / torch FSDP2 <= 1.0"
+FSDP_TARGET = "targets: globalview fully sharded / torch FSDP2 <= 0.85 at batch 2560, <= 0.3 at batch 32"
 SIZES = (1024, 4096, 4096, 1024)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's commlib and globalview, not an installed copy
 
 
 def _parse() -> argparse.Namespace:
@@ -50,8 +57,14 @@ def _parse() -> argparse.Namespace:
         help="samples per rank for the fully sharded rows (repeatable; default 32 and 2560)",
     )
     p.add_argument("--fsdp-repeats", type=int, default=5, help="rounds per fully sharded method (one step each)")
+    p.add_argument("--fsdp-only", action="store_true", help="only the fully sharded rows")
+    p.add_argument("--smoke", action="store_true", help="a tiny MLP, one round of one step (seconds)")
     args = p.parse_args()
     args.fsdp_batch = [32, 2560] if args.fsdp_batch is None else [b for b in args.fsdp_batch if b > 0]
+    if args.smoke:
+        global SIZES
+        SIZES = (16, 64, 64, 16)
+        args.batch, args.steps, args.repeats, args.fsdp_batch, args.fsdp_repeats = 4, 1, 1, [4, 64], 1
     return args
 
 
@@ -142,12 +155,13 @@ def main() -> None:
     torch.set_num_threads(1)
     torch_backend.register()  # in case commlib was imported first and its entry point is not installed
     dist.init_process_group("commlib")  # commlib's world (mpi) and torch's group over it, for FSDP2
-    times = _measure(_methods(args), args.repeats, args.steps, commlib)
+    times = {} if args.fsdp_only else _measure(_methods(args), args.repeats, args.steps, commlib)
     sharded = {}
     for batch in args.fsdp_batch:
         sharded[batch] = _measure(_sharded(torch, batch), args.fsdp_repeats, 1, commlib)
     if commlib.get_rank() == 0:
-        _report(times, args)
+        if times:
+            _report(times, args)
         _report_sharded(sharded, args)
     dist.destroy_process_group()
 
@@ -176,7 +190,8 @@ def _measure(methods: dict, repeats: int, steps: int, commlib: Any) -> dict[str,
 def _report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
     median = {name: statistics.median(v) for name, v in times.items()}
     base, ddp_step = median["single process"], median["commlib DDP"]
-    print(f"# training step, 2 ranks, MLP {' -> '.join(map(str, SIZES))} (25.2M float32 parameters)")
+    count = sum(a * b + b for a, b in itertools.pairwise(SIZES)) / 1e6
+    print(f"# training step, 2 ranks, MLP {' -> '.join(map(str, SIZES))} ({count:.1f}M float32 parameters)")
     print(f"# batch {args.batch} per rank, {args.repeats} rounds of {args.steps} steps, median per-step time")
     print(f"{'method':<20} {'ms/step':>9} {'min':>9} {'vs single':>10} {'vs ddp':>8}")
     for name, value in median.items():

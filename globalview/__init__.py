@@ -38,6 +38,7 @@ from globalview.sbp import SbpParallel
 _methods.register()  # GlobalTensor's operators and methods: the one table in globalview._methods
 
 __all__ = [
+    "AutoPlan",
     "Call",
     "Candidate",
     "Choice",
@@ -49,6 +50,7 @@ __all__ = [
     "abs",
     "add",
     "arange",
+    "auto_parallel",
     "cos",
     "div",
     "eq",
@@ -96,12 +98,17 @@ eq, ne, lt, le, gt, ge = (OPERATORS[n] for n in ("eq", "ne", "lt", "le", "gt", "
 exp, log, sqrt, abs, tanh, sin, cos = (OPERATORS[n] for n in ("exp", "log", "sqrt", "abs", "tanh", "sin", "cos"))
 
 
-def __getattr__(name: str) -> Any:
-    """``globalview.nn`` (it imports torch) is loaded on first use."""
-    if name == "nn":
-        import importlib
+_TORCH_NAMES = {"auto_parallel": "globalview._auto", "AutoPlan": "globalview._autoplan"}
 
+
+def __getattr__(name: str) -> Any:
+    """``globalview.nn``, ``auto_parallel`` and ``AutoPlan`` (they import torch) are loaded on first use."""
+    import importlib
+
+    if name == "nn":
         return importlib.import_module("globalview.nn")
+    if name in _TORCH_NAMES:
+        return getattr(importlib.import_module(_TORCH_NAMES[name]), name)
     raise AttributeError(f"module 'globalview' has no attribute {name!r}")
 
 

@@ -9,8 +9,10 @@ collective (every rank runs it); ranks outside the placement compute nothing and
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ from globalview._cost import PREFER, Choice
 from globalview._signatures import Rule
 from globalview._tensor import GlobalTensor
 
-__all__ = ["Op", "Preference", "decide", "label", "preference", "run", "tensors"]
+__all__ = ["Op", "Preference", "Session", "decide", "label", "preference", "run", "session", "tensors"]
 
 Scalar = (int, float, complex, bool, np.number, np.bool_)
 WEIGHT_NAMES = ("weight", "bias")
@@ -83,9 +85,10 @@ def _tensor_names(op: Op) -> list[str]:
     return [n for a, n in zip(op.args, names, strict=True) if isinstance(a, GlobalTensor)]
 
 
-def decide(op: Op, prefer: str | None = None, ts: list[GlobalTensor] | None = None) -> Choice:
+def decide(op: Op, prefer: str | None = None, ts: list[GlobalTensor] | None = None, pin: Any = None) -> Choice:
     """The signature ``op`` runs with and each input's boxing, priced: no communication (pure, cached).
-    ``ts``: ``op``'s global tensors, when the caller has checked them already."""
+    ``ts``: ``op``'s global tensors, when the caller has checked them already; ``pin``: the signature
+    ((each input's layout), output layout) to run, from an automatic plan (see ``_cost.choose``)."""
     ts = tensors(op.call, op.args, op.names) if ts is None else ts
     names = _tensor_names(op)
     params = [t.requires_grad and t.is_leaf for t in ts]
@@ -102,6 +105,7 @@ def decide(op: Op, prefer: str | None = None, ts: list[GlobalTensor] | None = No
         prefer=_prefer.get() if prefer is None else prefer,
         flops=op.flops,
         chain=op.out_shape if op.chain else None,
+        pin=pin,
     )
 
 
@@ -113,29 +117,74 @@ def _probe_dtype(op: Op, family: Any) -> Any:
     return family.dtype_of(family.xp.asarray(out))
 
 
+class Session:
+    """What watches operators run (``with session(s):``): a trace (``_trace``) or an automatic plan (``_auto``).
+
+    ``choose`` gives the choice an operator runs with; ``compute`` wraps its local computation; ``ran`` sees
+    its result. This base class changes nothing."""
+
+    def choose(self, op: Op, ts: list[GlobalTensor]) -> Choice:
+        return decide(op, None, ts)
+
+    def compute(self, run: Callable[[], Any], local_args: list[Any]) -> Any:
+        return run()
+
+    def ran(self, op: Op, ts: list[GlobalTensor], choice: Choice, out: GlobalTensor) -> None:
+        return None
+
+
+_session: contextvars.ContextVar[Session | None] = contextvars.ContextVar("globalview_session", default=None)
+
+
+@contextlib.contextmanager
+def session(s: Session | None) -> Iterator[Session | None]:
+    """Operators inside the block run under session ``s`` (None: as usual)."""
+    token = _session.set(s)
+    try:
+        yield s
+    finally:
+        _session.reset(token)
+
+
 def run(op: Op) -> GlobalTensor:
     """Run ``op``: decide, box the inputs, compute the local result."""
     ts = tensors(op.call, op.args, op.names)
-    choice = decide(op, None, ts)
+    watcher = _session.get()
+    choice = decide(op, None, ts) if watcher is None else watcher.choose(op, ts)
     first, me = ts[0], commlib.get_rank()
     family = first._family
     boxed, released = [], []
     for t, p, rel in zip(ts, choice.boxing, choice.released, strict=True):
-        part = family.box(p, t._local, me) if p.steps else t._local
+        part, fetch = _box(family, t, p, me) if p.steps else (t._local, None)
         boxed.append(part)
         if rel:
-            released.append((part, p, t._local))
+            released.append((part, fetch))
     parts = iter(boxed)
     local_args = [next(parts) if isinstance(a, GlobalTensor) else a for a in op.args]
     if me in first.placement:
-        local = family.xp.asarray(family.compute(op.fn, local_args, released))
+        compute = functools.partial(family.compute, op.fn, local_args, released)
+        local = family.xp.asarray(compute() if watcher is None else watcher.compute(compute, local_args))
         if op.after is not None:
             local = op.after(local, choice)
         out_dtype = family.dtype_of(local) if op.dtype is None else op.dtype
     else:
         out_dtype = _probe_dtype(op, family) if op.dtype is None else op.dtype
         local = family.empty_result(local_args, family.empty(first.placement, np.dtype(out_dtype)))
-    return GlobalTensor(local, op.out_shape, out_dtype, first.placement, choice.output, family)
+    out = GlobalTensor(local, op.out_shape, out_dtype, first.placement, choice.output, family)
+    if watcher is not None:
+        watcher.ran(op, ts, choice, out)
+    return out
+
+
+def _box(family: Any, t: GlobalTensor, p: Any, me: int) -> tuple[Any, Callable[[], Any]]:
+    """``t``'s part boxed by plan ``p``, and how backward gets it again if autograd releases it: a sharded
+    parameter of a global module through its module's :class:`~globalview._weights.Gathers` (prefetched,
+    gradients bucketed), anything else by the plan again."""
+    gathers = getattr(t._local, "_gv_gathers", None)
+    key = gathers.takes(t._local, p) if gathers is not None else None
+    if key is not None:
+        return gathers.gather(key), functools.partial(gathers.regather, key)
+    return family.box(p, t._local, me), functools.partial(family.rebox, p, t._local, me)
 
 
 def preference() -> str | None:

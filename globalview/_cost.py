@@ -133,6 +133,7 @@ def choose(
     prefer: str | None = None,
     flops: tuple | None = None,
     chain: tuple[int, ...] | None = None,
+    pin: tuple | None = None,
 ) -> Choice:
     """The cheapest signature for tensor inputs of ``shapes``/``dtypes`` laid out as ``sbps``.
 
@@ -142,7 +143,9 @@ def choose(
     to show the floating-point operations per rank of matmul-like operators; ``chain``: the output's
     shape, for operators whose output feeds the next of a chain (linear, matmul): when the first input's
     batch is split, each candidate is also priced at bringing its output back to that layout (so a
-    layer that leaves its output in another layout pays for what the next layer will move). Cached: pure."""
+    layer that leaves its output in another layout pays for what the next layer will move); ``pin``: the
+    signature to run, ((each input's layout), output layout), as an automatic plan chose it (a ValueError
+    when it is not admissible). Cached: pure."""
     n = len(shapes)
     key = (
         op,
@@ -157,12 +160,13 @@ def choose(
         prefer,
         flops,
         None if chain is None else tuple(int(d) for d in chain),
+        pin,
     )
     return _choose(*key)
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(op, shapes, dtypes, pl, sbps, rule, grads, weights, params, prefer, flops, chain) -> Choice:
+def _choose(op, shapes, dtypes, pl, sbps, rule, grads, weights, params, prefer, flops, chain, pin) -> Choice:
     per_axis = [rule(tuple(s[a] for s in sbps), pl.hierarchy[a]) for a in range(pl.ndim)]
     cands: list[Candidate] = []
     released: dict[tuple[Layout, ...], tuple[bool, ...]] = {}
@@ -181,7 +185,7 @@ def _choose(op, shapes, dtypes, pl, sbps, rule, grads, weights, params, prefer, 
         if chain is not None:
             cand = _chained(cand, chain, dtypes[0], pl, sbps[0], any(grads))
         cands.append(cand)
-    best, reason = _pick(cands, prefer)
+    best, reason = _pick(cands, prefer) if pin is None else _pinned(op, cands, pin, sbps)
     considered = tuple((c.inputs, c.output, sum(p.nbytes for p in c.boxing)) for c in cands)
     return Choice(
         op,
@@ -270,6 +274,20 @@ def _pick(cands: list[Candidate], prefer: str | None) -> tuple[Candidate, str]:
     return cheapest, reason + (
         f"the cheapest: {_b(cheapest.nbytes)} per rank against {_b(runner.nbytes)} for the next, "
         f"{runner.signature()} (moves {runner.moves})"
+    )
+
+
+def _pinned(op: str, cands: list[Candidate], pin: tuple, current) -> tuple[Candidate, str]:
+    """The candidate an automatic plan chose (its signature ``pin``), or a ValueError naming the admissible ones."""
+    for c in cands:
+        if (c.inputs, c.output) == pin:
+            return c, "the automatic plan's choice (globalview.auto_parallel)"
+    have = ", ".join(c.signature() for c in cands)
+    want = f"{' x '.join(_fmt(s) for s in pin[0])} -> {_fmt(pin[1])}"
+    raise ValueError(
+        f"globalview.{op}: the automatic plan runs {want} here, which inputs laid out "
+        f"{', '.join(_fmt(s) for s in current)} do not admit (admissible: {have}); the module's forward differs "
+        "from the one planned: plan again with globalview.auto_parallel"
     )
 
 

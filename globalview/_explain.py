@@ -19,6 +19,8 @@ NN_OPERATORS = ("linear",)  # globalview.nn.functional's operators explain knows
 def explain(what: Any, *args: Any, prefer: str | None = None, **kwargs: Any) -> Plan | Choice:
     """How globalview would do something, without doing it (no communication).
 
+    ``explain(module)``, a module made by :func:`globalview.auto_parallel`: its :class:`AutoPlan` (printed: per
+    layer the layouts, bytes each rank receives, predicted time and memory, next to the hand-written plans).
     ``explain(shape, dtype, src, dst)``, with ``src``/``dst`` each ``(placement, sbp)``:
     the boxing :class:`Plan` (its ``steps`` and the bytes each moves).
     ``explain("add", x, y)`` (any operator name, or ``"linear"``, and its arguments): the
@@ -28,6 +30,14 @@ def explain(what: Any, *args: Any, prefer: str | None = None, **kwargs: Any) -> 
     """
     if isinstance(what, str):
         return decide(_describe(what, args, kwargs), prefer)
+    if hasattr(what, "named_parameters"):  # a torch module: its automatic plan
+        auto = getattr(what, "_gv_plan", None)
+        if auto is None or args or kwargs or prefer is not None:
+            raise TypeError(
+                f"globalview.explain: a module explains its automatic plan, and {type(what).__qualname__} has none "
+                "(make one with globalview.auto_parallel(module, placement, sample_input)); no further arguments"
+            )
+        return auto
     if prefer is not None or kwargs:
         raise TypeError("globalview.explain: prefer= and keyword arguments explain operators, not boxing plans")
     shape, dtype, src, dst = what, *args

@@ -59,8 +59,12 @@ class Family:
         """``local`` converted by plan ``p`` (differentiable for torch parts; ``release``: see the torch family)."""
         return execute(p, local, me, self.xp)
 
-    def compute(self, fn: Any, args: Sequence[Any], released: Sequence[tuple[Any, Plan, Any]]) -> Any:
-        """``fn(*args)`` on local parts; ``released`` lists (boxed part, plan, source part) autograd may drop."""
+    def rebox(self, p: Plan, local: Any, me: int) -> Any:
+        """``local`` boxed by ``p`` again (a released part, for backward)."""
+        return execute(p, local, me, self.xp)
+
+    def compute(self, fn: Any, args: Sequence[Any], released: Sequence[tuple[Any, Any]]) -> Any:
+        """``fn(*args)`` on local parts; ``released`` lists (boxed part, fetch) autograd may drop and fetch again."""
         return fn(*args)
 
     def empty_result(self, inputs: Sequence[Any], like: Any) -> Any:

@@ -50,8 +50,13 @@ class Leaf:
     sbp: tuple[SbpParallel, ...]
 
     def bucket_key(self) -> tuple | None:
-        """(placement, broadcast axes) when the bucketed reducer converts this leaf's gradient, else None."""
-        if any(s.is_partial for s in self.sbp):
+        """(placement, broadcast axes) when the bucketed reducer converts this leaf's gradient, else None.
+
+        Not for a leaf split(0) along a mesh axis: operators that need it whole get it from the module's
+        ``_weights.Gathers``, which sums its broadcast axes itself (two reducers would write one ``.grad``)."""
+        if any(s.is_partial for s in self.sbp) or any(
+            s.is_split and s.dim == 0 and self.placement.hierarchy[a] > 1 for a, s in enumerate(self.sbp)
+        ):
             return None
         axes = tuple(a for a, s in enumerate(self.sbp) if s.is_broadcast and self.placement.hierarchy[a] > 1)
         return (self.placement, axes) if axes else None

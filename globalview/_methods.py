@@ -31,12 +31,22 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
     return torch_function(func, args, kwargs or {})
 
 
+def _tagged(a: Any) -> Any:
+    """A global module's parameter or buffer (a torch tensor tagged with its layout) as its global tensor:
+    ``x + self.pos`` in a module's forward works as ``self.pos + x`` does (through ``__torch_function__``)."""
+    if getattr(a, "_gv_layout", None) is None:
+        return a
+    from globalview._dispatch import as_global  # imports torch: only when a tagged tensor is there
+
+    return as_global(a)
+
+
 def _op(name: str) -> Callable[..., Any]:
-    return lambda self, *a, **k: OPS[name](self, *a, **k)
+    return lambda self, *a, **k: OPS[name](self, *(_tagged(x) for x in a), **k)
 
 
 def _reflected(name: str) -> Callable[[Any, Any], Any]:
-    return lambda self, other: OPS[name](other, self)
+    return lambda self, other: OPS[name](_tagged(other), self)
 
 
 def _reduction(name: str) -> Callable[..., Any]:

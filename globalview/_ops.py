@@ -217,13 +217,23 @@ def _reshape_map(old: tuple[int, ...], new: tuple[int, ...], d: int, p: int) -> 
     return None
 
 
+def nested(sbp: Sequence[Any]) -> bool:
+    """Whether two mesh axes split the same dimension (each rank's piece is a piece of a piece)."""
+    dims = [s.dim for s in sbp if s.is_split]
+    return len(dims) != len(set(dims))
+
+
+def reshape_rule(old: tuple[int, ...], new: tuple[int, ...], is_nested: bool) -> sig.Rule:
+    """reshape's signatures from ``old`` to ``new``: a split survives where each piece stays one piece
+    (none when the input's layout is nested)."""
+    return sig.structural(
+        ("reshape", old, new, is_nested), len(old), lambda d, p: None if is_nested else _reshape_map(old, new, d, p)
+    )
+
+
 def _reshape_op(x: GlobalTensor, *shape: Any) -> Op:
     new = _resolve_shape(x, shape)
-    split_dims = [s.dim for s in x.sbp if s.is_split]
-    nested = len(split_dims) != len(set(split_dims))
-    rule = sig.structural(
-        ("reshape", x.shape, new, nested), x.ndim, lambda d, p: None if nested else _reshape_map(x.shape, new, d, p)
-    )
+    rule = reshape_rule(x.shape, new, nested(x.sbp))
     pl = x.placement
 
     def after(local: Any, choice: Any) -> Any:

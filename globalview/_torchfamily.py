@@ -51,18 +51,23 @@ class TorchFamily(Family):
     def box(self, p: Plan, local: Any, me: int, grad_sbp: Any = None, release: bool = False) -> Any:
         return _autograd.box(p, local, me, self.boxing_xp(p.src[0]), grad_sbp)
 
-    def compute(self, fn: Any, args: Sequence[Any], released: Sequence[tuple[Any, Plan, Any]]) -> Any:
-        """``fn(*args)``; the boxed parts in ``released`` are not kept by autograd: backward boxes their
-        source again (one more all_gather, FSDP's trade of communication for memory)."""
+    def rebox(self, p: Plan, local: Any, me: int) -> torch.Tensor:
+        """``local`` boxed by ``p`` again, in backward, outside autograd (a released part)."""
+        with _groups.phase("backward"):
+            return _autograd.run_plans((p,), local.detach(), me, self.boxing_xp(p.src[0]))
+
+    def compute(self, fn: Any, args: Sequence[Any], released: Sequence[tuple[Any, Any]]) -> Any:
+        """``fn(*args)``; the boxed parts in ``released`` (part, fetch) are not kept by autograd: backward
+        calls ``fetch()`` for them (one more all_gather, FSDP's trade of communication for memory)."""
         if not released or not torch.is_grad_enabled():
             return fn(*args)
-        sources = {_storage(t): (p, src) for t, p, src in released}
+        sources = {_storage(t): fetch for t, fetch in released}
 
         def pack(t: torch.Tensor) -> Any:
-            found = sources.get(_storage(t))  # the gathered part, or a view of it (linear saves weight.t())
-            if found is None:
+            fetch = sources.get(_storage(t))  # the gathered part, or a view of it (linear saves weight.t())
+            if fetch is None:
                 return t
-            return _Regather(*found, self, (tuple(t.size()), t.stride(), t.storage_offset()))
+            return _Regather(fetch, (tuple(t.size()), t.stride(), t.storage_offset()))
 
         def unpack(saved: Any) -> torch.Tensor:
             return saved() if isinstance(saved, _Regather) else saved
@@ -121,18 +126,15 @@ def _storage(t: torch.Tensor) -> int:
 
 
 class _Regather:
-    """What autograd keeps of a released part: the plan, the source part to box again, and the saved view."""
+    """What autograd keeps of a released part: how to get it again, and the saved view of it."""
 
-    __slots__ = ("family", "plan", "source", "view")
+    __slots__ = ("fetch", "view")
 
-    def __init__(self, plan: Plan, source: torch.Tensor, family: TorchFamily, view: tuple) -> None:
-        self.plan, self.source, self.family, self.view = plan, source.detach(), family, view
+    def __init__(self, fetch: Any, view: tuple) -> None:
+        self.fetch, self.view = fetch, view
 
     def __call__(self) -> torch.Tensor:
-        with _groups.phase("backward"):
-            xp = self.family.boxing_xp(self.plan.src[0])
-            whole = _autograd.run_plans((self.plan,), self.source, commlib.get_rank(), xp)
-        return whole.as_strided(*self.view)
+        return self.fetch().as_strided(*self.view)
 
 
 TORCH = TorchFamily()

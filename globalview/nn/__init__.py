@@ -27,6 +27,7 @@ from globalview._leaf import Leaf, LeafGrads
 from globalview._placement import placement as Placement
 from globalview._tensor import GlobalTensor
 from globalview._tensor import to_global as _to_global
+from globalview._weights import Gathers
 from globalview.nn import functional
 from globalview.sbp import SbpParallel, broadcast
 
@@ -79,16 +80,30 @@ def to_global(
     gradients are summed in buckets of ``bucket_cap_mb`` (default 25) during backward.
     """
     call = f"[rank {commlib.get_rank()}/{commlib.get_world_size()}] globalview.nn.to_global"
+    check_module(module, placement, call)
+    return globalize(module, placement, _layouts(_entries(module), placement, sbp, call), bucket_cap_mb)
+
+
+def check_module(module: Any, placement: Any, call: str) -> None:
+    """A torch module that is not global yet, and a placement: else the TypeError/ValueError naming them."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{call}: module must be a torch.nn.Module, got {type(module).__qualname__}")
     if not isinstance(placement, Placement):
         raise TypeError(f"{call}: placement must be a globalview.placement, got {placement!r}")
-    entries = _entries(module)
-    layouts = _layouts(entries, placement, sbp, call)
-    if any(getattr(t, "_gv_layout", None) is not None for _, t, _ in entries):
+    if any(getattr(t, "_gv_layout", None) is not None for _, t, _ in _entries(module)):
         raise ValueError(f"{call}: the module is global already")
+
+
+def globalize(
+    module: torch.nn.Module, placement: Placement, layouts: Mapping[str, tuple], bucket_cap_mb: float | None = None
+) -> torch.nn.Module:
+    """Make ``module`` global with ``layouts`` (every parameter and buffer's checked sbp), in place.
+
+    Broadcast parameters' gradients go to the bucketed all-reduce (``_leaf``); parameters split(0) along
+    a mesh axis are gathered for the operators that need them whole by ``_weights.Gathers`` (prefetched,
+    gradients reduce-scattered in buckets)."""
     leaves = []
-    for name, t, is_param in entries:
+    for name, t, is_param in _entries(module):
         g = _to_global(t.detach(), placement, (broadcast,) * placement.ndim).to_global(sbp=layouts[name])
         local = g.to_local()
         new = torch.nn.Parameter(local, requires_grad=t.requires_grad) if is_param else local
@@ -98,6 +113,30 @@ def to_global(
             leaves.append(Leaf(name, new, g.shape, g._dtype, placement, layouts[name]))
     grads = LeafGrads(leaves, bucket_cap_mb=bucket_cap_mb) if leaves else None
     object.__setattr__(module, "_gv_grads", grads)  # the hooks' owner lives as long as the module
+    sharded = [leaf for leaf in leaves if any(s.is_split and s.dim == 0 for s in leaf.sbp)]
+    gathers = Gathers(sharded, commlib.get_rank()) if sharded else None
+    for leaf in sharded:
+        setattr(leaf.param, "_gv_gathers", gathers)  # noqa: B010 - operators find the schedule on the parameter
+    if gathers is not None:
+        hook = module.register_forward_pre_hook(lambda m, args: gathers.begin_forward())
+        object.__setattr__(module, "_gv_gathers", (gathers, hook))
+    return module
+
+
+def localize(module: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`globalize` on a module whose parameters and buffers are all broadcast: plain torch tensors
+    again (new parameter objects, without the gradient hooks), each rank holding the whole value."""
+    for name, t, is_param in _entries(module):
+        layout = getattr(t, "_gv_layout", None)
+        if layout is not None and not all(s.is_broadcast for s in layout[3]):
+            raise ValueError(f"globalview.nn: {name!r} is laid out {layout[3]}, not broadcast")
+        plain = t.detach()
+        new = torch.nn.Parameter(plain, requires_grad=t.requires_grad) if is_param else plain
+        _set(module, name, new, is_param)
+    hooked = module.__dict__.pop("_gv_gathers", None)
+    if hooked is not None:
+        hooked[1].remove()
+    module.__dict__.pop("_gv_grads", None)
     return module
 
 

@@ -1,0 +1,232 @@
+"""Pricing a traced forward under any layout: seconds and bytes per rank of each choice a plan makes.
+
+A plan gives every parameter a layout and every operator a signature. Its predicted step time is the sum of
+
+- each operator: its local forward and backward (timed at the local shapes the signature gives it,
+  ``_optime``) and globalview's overhead per operator; the boxing of each input: forward, its adjoint in
+  backward when the input needs a gradient, and a released parameter gathered again for backward;
+- each parameter: its gradient summed over its broadcast mesh axes (the bucketed all-reduce, copies in and
+  out for the small ones) and the optimizer's pass over its local part.
+
+Memory per rank: each parameter's part, its gradient and optimizer states (and, summed in buckets, the
+bucket's copy); the activations autograd keeps (an operator's saved inputs as it got them, once per tensor;
+its saved output); and the largest transient: a gathered weight's whole copies (it, the next one prefetched,
+two gradients on their way to the reduce_scatter), an operator's gradients in backward, Adam's temporaries.
+Pure given the machine's measurements: no communication.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from globalview import _ops, _optime
+from globalview._cost import _adjoint_bytes, _gathers, _no_gradient, _splits_into_partial
+from globalview._cost import _plan as boxing_plan
+from globalview._layout import block_shape
+from globalview._machine import Machine
+from globalview._plan import Plan, adjoint
+from globalview._trace import Node, Trace
+from globalview.sbp import SbpParallel, broadcast, split
+
+__all__ = ["OPT_PASSES", "Cand", "Pricer", "candidates", "param_layouts"]
+
+Layout = tuple[SbpParallel, ...]
+OPT_PASSES = {0: 3, 1: 6, 2: 12}  # memory passes of SGD, SGD with momentum, Adam over each element (read + write)
+GATHERED = 4  # whole copies of a gathered weight alive at once: it, the next (prefetched), two gradients
+BUCKET_BYTES = 25 << 20  # the reducers' buckets: reductions are priced at this size's rate
+LONE_BYTES = 4 << 20  # a gradient this large is reduced where it is (no copies into a bucket and back)
+
+
+@dataclass(frozen=True)
+class Cand:
+    """One signature of an operator: the layout each tensor input is boxed to, and the output's."""
+
+    inputs: tuple[Layout, ...]
+    output: Layout
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One input's boxing under one signature: seconds, kept bytes, transient bytes, bytes moved per rank."""
+
+    time: float
+    mem: float
+    peak: float
+    moved: float
+
+
+def param_layouts(shape: tuple[int, ...], hierarchy: tuple[int, ...]) -> list[Layout]:
+    """Every layout a parameter may take: per mesh axis broadcast or a split of a dimension it can fill."""
+    per_axis = [[broadcast] + [split(d) for d in range(len(shape)) if shape[d] >= p] for p in hierarchy]
+    return [tuple(c) for c in itertools.product(*per_axis)]
+
+
+def nested(layout: Layout) -> bool:
+    return _ops.nested(layout)
+
+
+def rule_of(node: Node, current: Layout | None = None) -> Any:
+    """The operator's signature rule (reshape's depends on its input's layout: none survives a nested split)."""
+    if node.call == "reshape":
+        return _ops.reshape_rule(node.shapes[0], node.out_shape, current is not None and nested(current))
+    return node.op.rule
+
+
+def candidates(node: Node, hierarchy: tuple[int, ...]) -> list[Cand]:
+    """Every admissible signature of ``node`` on a mesh of ``hierarchy`` (per axis, combined)."""
+    rule = rule_of(node)
+    per_axis = [rule(tuple(lay[a] for lay in node.layouts), p) for a, p in enumerate(hierarchy)]
+    out = []
+    for combo in itertools.product(*per_axis):
+        inputs = tuple(tuple(c[0][i] for c in combo) for i in range(len(node.layouts)))
+        if _no_gradient(inputs, node.grads):
+            continue
+        if node.call == "reshape" and nested(inputs[0]) and any(s.is_split for s in inputs[0]):
+            continue
+        out.append(Cand(inputs, tuple(c[1] for c in combo)))
+    return list(dict.fromkeys(out))
+
+
+class Pricer:
+    """Seconds and bytes of every choice on a trace, with a machine's measurements."""
+
+    def __init__(self, trace: Trace, machine: Machine, optimizer_states: int) -> None:
+        self.trace, self.machine, self.states = trace, machine, optimizer_states
+        self.pl = trace.placement
+        self.coords = self.pl.coords(self.pl.flat[0])
+        self.ranks = len(self.pl.flat)
+        self.owner = self._owners()
+
+    def _owners(self) -> dict[str, int]:
+        """The node whose cost counts a tensor's saved storage: its producer if it saves it, else its first saver."""
+        owner = {}
+        for node in self.trace.nodes:
+            if node.out_saved:
+                owner[f"node:{node.index}"] = node.index
+            for src, saved in zip(node.sources, node.saved, strict=True):
+                if saved:
+                    owner.setdefault(src, node.index)
+        return owner
+
+    # -- sizes -------------------------------------------------------------------------------
+    def local(self, shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
+        """The first rank's part (the largest, under uneven splits)."""
+        return block_shape(shape, self.pl.hierarchy, layout, self.coords)
+
+    def nbytes(self, shape: tuple[int, ...], layout: Layout, dtype: Any) -> int:
+        return math.prod(self.local(shape, layout)) * np.dtype(dtype).itemsize
+
+    # -- boxing ------------------------------------------------------------------------------
+    @functools.cache  # noqa: B019
+    def plan_time(self, p: Plan) -> float:
+        """Seconds of one boxing plan on the slowest line: each collective at its per-rank buffer size."""
+        total = 0.0
+        for s in p.steps:
+            if s.kind == "relabel":
+                continue
+            if not s.is_collective:
+                total += self.machine.copy(self.nbytes(p.shape, s.dst, p.dtype))
+                continue
+            size = s.placement.hierarchy[s.axis]
+            lines = len(s.placement.flat) // size
+            per_line = s.nbytes / lines
+            buffer = per_line / (2 * (size - 1)) if s.kind == "all_reduce" else per_line / (size - 1)
+            total += self.machine.collective(s.kind, size, buffer)
+        return total
+
+    def edge(self, index: int, i: int, src: Layout, dst: Layout) -> Edge:
+        """Input ``i`` of node ``index`` boxed from ``src`` to ``dst``: forward, backward, kept and transient bytes."""
+        node = self.trace.nodes[index]
+        others = any(g for j, g in enumerate(node.grads) if j != i)
+        owns = self.owner.get(node.sources[i]) == index
+        what = (node.shapes[i], node.dtypes[i], node.grads[i], node.params[i], node.saved[i], others, owns)
+        return self._edge(what, src, dst)
+
+    @functools.cache  # noqa: B019 - the pricer lives for one planning (equal operators of equal blocks share)
+    def _edge(self, what: tuple, src: Layout, dst: Layout) -> Edge:
+        shape, dtype, grad, param, saved, others, owns = what
+        if _splits_into_partial((src,), (dst,)):
+            return Edge(math.inf, 0.0, 0.0, 0.0)
+        p = boxing_plan(shape, dtype, self.pl, src, dst)
+        t, moved = self.plan_time(p), p.nbytes
+        if grad and p.steps:
+            t += sum(self.plan_time(q) for q in adjoint(p))
+            moved += _adjoint_bytes(p)
+        released = param and _gathers(p) and others
+        mem = 0.0
+        if released and saved:
+            t, moved = t + self.plan_time(p), moved + p.nbytes
+        elif saved and p.steps:
+            mem = self.nbytes(shape, dst, dtype)
+        elif saved and not param and owns:
+            mem = self.nbytes(shape, src, dtype)
+        peak = GATHERED * self.nbytes(shape, dst, dtype) if param and _gathers(p) else 0.0
+        return Edge(t, mem, peak, moved / self.ranks)
+
+    # -- operators ---------------------------------------------------------------------------
+    def shapes(self, node: Node, cand: Cand) -> tuple[tuple[int, ...], ...]:
+        return tuple(self.local(s, lay) for s, lay in zip(node.shapes, cand.inputs, strict=True))
+
+    def timing_key(self, node: Node, cand: Cand) -> str:
+        return _optime.key(node, self.shapes(node, cand))
+
+    def compute(self, node: Node, cand: Cand) -> float:
+        """Seconds of the operator's local work and globalview's overhead, forward and backward."""
+        fwd, bwd = self.machine.ops.get(self.timing_key(node, cand), (0.0, 0.0))
+        over_f, over_b = self.machine.op_overhead
+        grad = any(node.grads)
+        return fwd + over_f + ((bwd + over_b) if grad else 0.0)
+
+    def transient(self, node: Node, cand: Cand) -> float:
+        """Bytes alive for a moment in the operator's backward: its output's gradient and its inputs'."""
+        if not any(node.grads):
+            return 0.0
+        out = math.prod(self.local(node.out_shape, cand.output)) * node.out_dtype.itemsize
+        inputs = zip(node.shapes, cand.inputs, node.dtypes, node.grads, strict=True)
+        ins = sum(self.nbytes(s, lay, d) for s, lay, d, g in inputs if g)
+        return float(out + ins)
+
+    def kept(self, node: Node, cand: Cand) -> float:
+        """Bytes the operator itself keeps for backward: its output (if saved) and its other saved tensors."""
+        numel = math.prod(self.local(node.out_shape, cand.output))
+        out = numel * node.out_dtype.itemsize if node.out_saved else 0.0
+        return out + node.extra_saved * numel
+
+    # -- parameters --------------------------------------------------------------------------
+    def reduced_axes(self, layout: Layout) -> tuple[int, ...]:
+        """The mesh axes a parameter's gradient is summed over (broadcast ones with more than one rank)."""
+        return tuple(a for a, s in enumerate(layout) if s.is_broadcast and self.pl.hierarchy[a] > 1)
+
+    def bucketed(self, layout: Layout) -> bool:
+        """Summed by the bucketed reducer (its buckets copy the gradient) rather than per parameter."""
+        sharded = any(s.is_split and s.dim == 0 and self.pl.hierarchy[a] > 1 for a, s in enumerate(layout))
+        return bool(self.reduced_axes(layout)) and not sharded
+
+    def step_temporaries(self, name: str, layout: Layout) -> float:
+        """Bytes the optimizer's step allocates for a moment for this parameter (Adam: two of its size)."""
+        leaf = self.trace.leaves[f"param:{name}"]
+        return 2.0 * self.nbytes(leaf.shape, layout, leaf.dtype) if leaf.grad and self.states == 2 else 0.0
+
+    def param(self, name: str, layout: Layout) -> tuple[float, float, float]:
+        """(seconds, persistent bytes, gradient bytes) of a parameter's state per step on each rank."""
+        leaf = self.trace.leaves[f"param:{name}"]
+        size = self.nbytes(leaf.shape, layout, leaf.dtype)
+        if not leaf.grad:
+            return 0.0, float(size), 0.0
+        m = self.machine
+        per_param, per_byte = m.optimizer.get(str(self.states), (0.0, OPT_PASSES[self.states] / m.bandwidth))
+        t = m.param_overhead + per_param + per_byte * size
+        axes = self.reduced_axes(layout)
+        if axes:
+            group = math.prod(self.pl.hierarchy[a] for a in axes)
+            t += m.collective("all_reduce", group, BUCKET_BYTES) * size / BUCKET_BYTES
+            if size < LONE_BYTES:
+                t += 2 * size / m.bandwidth
+        persistent = size * (1 + self.states + (1 if self.bucketed(layout) else 0))
+        return t, float(persistent), float(size)
