@@ -202,6 +202,13 @@ TABLE: tuple[Setting, ...] = (
         _megabytes,
         "megabytes of freed buffers globalview keeps per process for its next results (0: none)",
     ),
+    Setting(
+        "GLOBALVIEW_CACHE",
+        "",
+        _text,
+        "file where globalview.auto_parallel keeps the machine's measured times (empty: "
+        "~/.cache/globalview/machine.json)",
+    ),
     Setting("COMMLIB_JOB_ID", "", _text, "the job's id (commlib.launch: in flight recorder folders)", plumbing=True),
     Setting(
         "COMMLIB_LAUNCH_STATUS",

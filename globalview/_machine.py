@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ REPEATS = 5
 
 def cache_path() -> Path:
     """Where measurements are kept: ``$GLOBALVIEW_CACHE`` or ``~/.cache/globalview/machine.json``."""
-    return Path(os.environ.get("GLOBALVIEW_CACHE", Path.home() / ".cache" / "globalview" / "machine.json"))
+    return Path(commlib.setting("GLOBALVIEW_CACHE") or Path.home() / ".cache" / "globalview" / "machine.json")
 
 
 @dataclass
