@@ -138,7 +138,7 @@ def train(launcher: str, steps: int, kill_at: int, admit_from: int) -> dict | No
     with tempfile.TemporaryDirectory() as tmp:
         if launcher == "commlib":
             cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "4", "--on-failure", "replace"]
-            cmd += ["--master_port", str(_port()), str(EXAMPLE), *args]
+            cmd += ["--master_port", str(_port()), str(EXAMPLE), *args, "--wait-for-replacement"]
         else:
             torchrun = shutil.which("torchrun")
             if torchrun is None:

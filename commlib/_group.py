@@ -368,6 +368,9 @@ class ProcessGroup:
             self.fail_timeout(call, self.seq, timeout)
         except CommError as e:
             self.fail(call, self.seq, -1, e)
+        except BaseException as e:  # whatever ended the check, the group cannot be trusted (nor closed) after it
+            self.mark_broken(e)
+            raise
         finally:
             _waits.leave(before)
         problems = verdicts.closing(self.rank, self.ranks, self.seq, rows, self.received, self.any_received)
@@ -388,7 +391,9 @@ class ProcessGroup:
             _ring.end(slot, self, seq, ok=False)
         if type(err) is CommError and self.broken is None:  # the engine failed: did a member die (the lifelines)?
             err = dead_members(self, _DEATH_GRACE) or err
-        if isinstance(err, RankFailedError) or isinstance(self.broken, RankFailedError):
+        if isinstance(err, RankFailedError) and self.broken is None:
+            self.mark_failed(err)
+        if isinstance(self.broken, RankFailedError):
             raise self.rank_failed(call, seq) from None
         if type(err) is CommError and self.backend is not None and self.backend.digests() is not None:
             err = devicewatch.compare(self) or err  # the engine failed (NCCL): do the ranks' calls differ? which?

@@ -309,10 +309,15 @@ def _guard(mesh: lifelines.Lifelines, kept: list[int], what: str) -> Any:
 
 
 # -- grow -----------------------------------------------------------------------------------------------------
-def grow_group(group: ProcessGroup | None = None, timeout: Any = None) -> ProcessGroup:
+def grow_group(group: ProcessGroup | None = None, timeout: Any = None, wait_for: int = 0) -> ProcessGroup:
     """Take the processes waiting to join the job into the default group (collective over it); returns the
     default group: a new one, the newcomers ranked after its ranks, when any were waiting (every other group
-    ends then, as after shrink_group), else the same one. See :func:`commlib.grow_group`."""
+    ends then, as after shrink_group), else the same one.
+
+    ``wait_for=n``: wait until at least ``n`` processes are waiting to join (a replacement the launcher
+    started: ``commlib.launch --on-failure replace``), at most ``timeout`` (the group's timeout by default;
+    the wait ends a little before the group's own timeout), then take in those that came; ``0`` (the
+    default) takes in only those already waiting, at the cost of one store read and two small broadcasts."""
     st = _world._state
     g = st.world
     call = "grow_group"
@@ -321,6 +326,8 @@ def grow_group(group: ProcessGroup | None = None, timeout: Any = None) -> Proces
     if group is not None and group is not g:
         raise ValueError(f"{g.label}{call}: only the default group grows (newcomers join the job), got {group!r}")
     seconds = g.timeout if timeout is None else as_seconds(timeout, f"{g.label}{call}")
+    if isinstance(wait_for, bool) or not isinstance(wait_for, int) or wait_for < 0:
+        raise ValueError(f"{g.label}{call}: wait_for must be an int >= 0 (newcomers to wait for), got {wait_for!r}")
     backend = g.backend
     if g.broken is not None or backend is None:
         g.refuse(call)
@@ -329,15 +336,13 @@ def grow_group(group: ProcessGroup | None = None, timeout: Any = None) -> Proces
     header = np.zeros(2, np.int64)
     text = b""
     if g.rank == 0 and mesh is not None:
-        waiting = jobstore.request("add", f"{_GROW}/tickets", 0) or 0
-        tickets = []
-        for t in range(_state.admitted + 1, int(waiting) + 1):
-            if jobstore.read(f"{_GROW}/ask/{t}") is not None:
-                tickets.append(t)
-            elif time.monotonic() - _state.unasked.setdefault(t, time.monotonic()) > _ASK_GRACE:
-                _state.admitted = t  # it took a ticket and never asked (it died): passed over for good
-            else:
-                break  # it took a ticket but has not asked yet: next time
+        # the others wait in the broadcast below, which ends at the group's timeout: stop waiting before it
+        deadline = time.monotonic() + min(seconds, 0.9 * g.timeout)
+        while True:
+            tickets = _waiting_tickets()
+            if len(tickets) >= wait_for or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
         if tickets:
             text = json.dumps({"tickets": tickets, "payload": backend.grow_payload()}).encode()
         header[:] = (len(tickets), len(text))
@@ -378,6 +383,21 @@ def grow_group(group: ProcessGroup | None = None, timeout: Any = None) -> Proces
         old.backend, old.ready = None, None  # ended without a closing check (the communicator is kept for good)
     st.world, st.groups, st.by_ranks, st.made = new, [new], {}, 0
     return new
+
+
+def _waiting_tickets() -> list[int]:
+    """Rank 0: the tickets of the processes waiting to join, in order, each with its question there (a ticket
+    whose question never came within ``_ASK_GRACE`` is passed over for good: it died)."""
+    waiting = jobstore.request("add", f"{_GROW}/tickets", 0) or 0
+    tickets = []
+    for t in range(_state.admitted + 1, int(waiting) + 1):
+        if jobstore.read(f"{_GROW}/ask/{t}") is not None:
+            tickets.append(t)
+        elif time.monotonic() - _state.unasked.setdefault(t, time.monotonic()) > _ASK_GRACE:
+            _state.admitted = t
+        else:
+            break  # it took a ticket but has not asked yet: next time
+    return tickets
 
 
 def _job_store(g: ProcessGroup, call: str) -> Any:

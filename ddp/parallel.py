@@ -101,8 +101,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.static_graph = bool(static_graph)
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # did the last forward sync? (torch: buffers sync only then)
-        verify_shapes(self._where, named, process_group)
-        if init_sync and self._world > 1:
+        if init_sync and self._world > 1:  # as torch: init_sync gates every collective of the constructor
+            verify_shapes(self._where, named, process_group)
             broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]

@@ -90,6 +90,12 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=50, help="the step at which --kill-rank SIGKILLs itself (-1: never)")
     p.add_argument("--kill-rank", type=int, default=2)
     p.add_argument("--admit-from", type=int, default=100, help="from this step on, take newcomers in (grow_group)")
+    p.add_argument(
+        "--wait-for-replacement",
+        action="store_true",
+        help="at the end, wait for the processes that replace the dead (commlib.launch --on-failure replace) if "
+        "they have not joined yet, so that they end with the same weights",
+    )
     p.add_argument("--recover", choices=("shrink", "restart"), default="shrink")
     p.add_argument("--snapshot", type=Path, default=None, help="--recover restart: the snapshot file")
     p.add_argument("--snapshot-every", type=int, default=10)
@@ -104,7 +110,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-    step, events = 0, []
+    step, events, size = 0, [], commlib.get_world_size()
     if args.recover == "restart" and args.snapshot is not None:
         step = load(args.snapshot, net, optimizer)
         if step:
@@ -138,8 +144,14 @@ def main() -> None:
             commlib.shrink_group(e.failed_ranks)
             step = ddp.broadcast_state(model, optimizer, extra=step)  # every survivor from the new rank 0's state
             seconds = round(time.monotonic() - noticed, 3)
-            size = commlib.get_world_size()
-            events.append({"what": "shrank", "failed": e.failed_ranks, "size": size, "step": step, "seconds": seconds})
+            now = commlib.get_world_size()
+            events.append({"what": "shrank", "failed": e.failed_ranks, "size": now, "step": step, "seconds": seconds})
+    missing = size - commlib.get_world_size()
+    if args.recover == "shrink" and args.wait_for_replacement and missing > 0:
+        commlib.grow_group(wait_for=missing, timeout=120)  # the replacements may still be starting
+        if commlib.get_world_size() > size - missing:
+            ddp.broadcast_state(model, optimizer, extra=step)
+            events.append({"what": "grew at the end", "size": commlib.get_world_size(), "step": step})
     result = {
         "rank": commlib.get_rank(), "world_size": commlib.get_world_size(), "loss": validation_loss(net, args.seed),
         "checksum": checksum(net), "seconds": round(time.monotonic() - start, 3), "events": events,

@@ -254,7 +254,10 @@ class NcclBackend(Backend):
             # later records do not change that (CUDA's cudaStreamWaitEvent semantics).
             self._ready.record(caller)
             self.stream.wait_event(self._ready)
-        launch(*args, self.stream.ptr)
+        try:  # free unless raised (Python 3.11+)
+            launch(*args, self.stream.ptr)
+        except self.nccl.NcclError as e:  # the communicator failed (a peer's abort, a dead peer): the group's error
+            raise CommError(f"NCCL reported an error: {e}") from None
         handle = _EventHandle(self, keep, caller)
         if self._depth:
             self._grouped.append(handle)
@@ -369,7 +372,11 @@ class NcclBackend(Backend):
     def group_end(self) -> None:
         """Close the NCCL group; every handle issued inside it completes with the event recorded after it."""
         self._depth -= 1
-        self.nccl.groupEnd()
+        try:
+            self.nccl.groupEnd()
+        except self.nccl.NcclError as e:
+            self._grouped = []
+            raise CommError(f"NCCL reported an error: {e}") from None
         if self._depth == 0 and self._grouped:
             self.done.record(self.stream)
             for handle in self._grouped:

@@ -349,6 +349,9 @@ def _serve_store(args: argparse.Namespace, env: dict[str, str]) -> TCPStore | No
     token = setting("COMMLIB_STORE_TOKEN") or None
     if plain:
         env["COMMLIB_STORE_SERVED"] = "1"
+        # after a peer's death MPI keeps the survivors' old communicator (its requests to the dead never end):
+        # UCX lists them at exit as warnings ("was not returned to mpool"), which say nothing to a user
+        env.setdefault("UCX_LOG_LEVEL", "error")
         if args.nnodes == 1 and token is None:
             import secrets
 

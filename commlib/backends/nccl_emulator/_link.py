@@ -152,7 +152,7 @@ class Link:
         with self._send_lock:
             try:
                 self._queued = struct.unpack("i", query(self._sock.fileno(), request, b"\0\0\0\0"))[0]
-            except OSError:  # closed, or a platform that does not answer: take the worker's path
+            except (OSError, ValueError):  # closed (fileno -1: ValueError), or no answer: take the worker's path
                 return False
         return self._queued < self._backlog
 
