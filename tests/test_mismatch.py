@@ -153,8 +153,12 @@ def scenarios() -> list[tuple[str, str, int]]:
     return [(k, w, s) for k in KINDS for w in DISAGREEMENTS if applies(k, w) for s in SIZES]
 
 
-def _verdicts(n: int, backend: str = "mpi") -> list[tuple[tuple[str, str, int], list[tuple]]]:
-    todo = scenarios()
+#: The matrix runs in this many parts (each its own job): a parallel run (pytest -n) spreads them.
+PARTS = 3
+
+
+def _verdicts(n: int, backend: str = "mpi", part: int | None = None) -> list[tuple[tuple[str, str, int], list[tuple]]]:
+    todo = scenarios() if part is None else scenarios()[part::PARTS]
     results = run(matrix_job, n, todo, timeout=1500, env=BACKENDS[backend])
     return [(sc, [results[r][i] for r in range(n)]) for i, sc in enumerate(todo)]
 
@@ -165,11 +169,12 @@ def _named(kind: str, message: str) -> bool:
 
 
 @pytest.mark.timeout(1500)  # the job's own deadline (4 ranks of the emulator on 2 loaded cores: minutes)
+@pytest.mark.parametrize("part", range(PARTS))
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("n", [2, 4])
-def test_every_mismatched_program_ends_in_an_error_naming_the_call(n: int, backend: str) -> None:
+def test_every_mismatched_program_ends_in_an_error_naming_the_call(n: int, backend: str, part: int) -> None:
     silent, unnamed, late = [], [], []
-    verdicts = _verdicts(n, backend)
+    verdicts = _verdicts(n, backend, part)
     for (kind, what, nbytes), ranks in verdicts:
         errors = [(t, m, s) for t, m, s in ranks if t]
         if not errors:
