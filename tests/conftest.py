@@ -21,7 +21,10 @@ os.environ.setdefault("COMMLIB_TIMEOUT", "20")
 
 _WARM: list = []  # the session's warm jobs (commlib.testing._pool.Pools), once they ended
 
-_SESSION_TMP = tempfile.mkdtemp(prefix="commlib-tests-")
+# Under pytest-xdist each worker is a session of its own: its folder goes beside the controller's, not inside it
+# (Ray's socket paths must stay under 107 bytes).
+_BASE = os.environ.setdefault("TESTS_TMP_BASE", tempfile.gettempdir())
+_SESSION_TMP = tempfile.mkdtemp(prefix="commlib-tests-", dir=_BASE)
 os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP  # every rank and launcher the tests start inherits it
 
 
