@@ -21,6 +21,7 @@ This is a benchmark, not a test: it prints numbers and never fails on them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -86,7 +87,8 @@ def one_kill(n: int, victim: int = 2, timeout: float = 120.0) -> dict[str, float
         program.write_text(LOOP)
         cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", str(n), "--on-failure", "continue"]
         cmd += ["--master_port", str(_port()), str(program)]
-        proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        errors = open(Path(tmp) / "stderr", "w+")  # noqa: SIM115 (read back below, closed with the folder)
+        proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=errors, text=True)
         events: dict[int, dict[str, dict]] = {}
         killed_at, deadline = None, time.monotonic() + timeout
         assert proc.stdout is not None
@@ -104,10 +106,13 @@ def one_kill(n: int, victim: int = 2, timeout: float = 120.0) -> dict[str, float
                 proc.kill()
                 break
         proc.wait()
-    if killed_at is None:
-        return None
+        errors.seek(0)
+        said = [line for line in errors.read().splitlines() if "commlib" in line or "Error" in line][-6:]
+        errors.close()
     survivors = [e for r, e in events.items() if r != victim]
-    if not all("done" in e and e["done"]["right"] == 21 for e in survivors):
+    if killed_at is None or not all("done" in e and e["done"]["right"] == 21 for e in survivors):
+        reached = {r: sorted(e) for r, e in sorted(events.items())}
+        print(f"# {n} ranks: a run did not recover: {reached}; " + " | ".join(said), file=sys.stderr)
         return None
     return {step: max(e[step]["t"] - killed_at for e in survivors) for step in ("raised", "shrunk", "first")}
 
@@ -129,7 +134,12 @@ def part1(ranks: list[int], runs: int) -> None:
 
 
 def _results(out: str) -> list[dict]:
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+    """Every rank's ``RESULT {json}`` (torchrun's workers share one unprefixed stdout: lines may run together)."""
+    decoder, found = json.JSONDecoder(), []
+    for part in out.split("RESULT ")[1:]:
+        with contextlib.suppress(ValueError):
+            found.append(decoder.raw_decode(part)[0])
+    return found
 
 
 def train(launcher: str, steps: int, kill_at: int, admit_from: int) -> dict | None:

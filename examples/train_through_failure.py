@@ -5,7 +5,8 @@
 Every rank trains the same MLP with ``ddp.DistributedDataParallel``. At step ``--kill-at`` rank ``--kill-rank``
 SIGKILLs itself. The survivors' next collective raises ``commlib.RankFailedError`` naming it; they shrink the
 default group (``commlib.shrink_group``), make their states one (``ddp.broadcast_state`` from the new rank 0:
-a survivor may have finished the step the others lost) and go on, averaging over one rank fewer. From step
+a survivor may have finished the step the others lost) and go on: each step's global batch (the same
+samples whatever the number of ranks) is shared by one rank fewer. From step
 ``--admit-from`` on they call ``commlib.grow_group()`` before each step: a process started with
 ``COMMLIB_JOIN=1`` (``--on-failure replace`` starts one; so can you, by hand, with the job's MASTER_ADDR and
 MASTER_PORT) is taken in, receives the state with ``ddp.broadcast_state`` and trains with them to the end.
@@ -42,14 +43,22 @@ from torch import nn
 import commlib
 import ddp
 
-IN, HIDDEN, OUT, BATCH = 32, 256, 8, 64
+IN, HIDDEN, OUT = 32, 256, 8
+GLOBAL_BATCH = 192  # samples per step, shared by the ranks there are (4, 3 after a death, 4 again): an even split
 
 
-def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch of step ``step``: a fixed linear target with noise."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    x = torch.randn(BATCH, IN, generator=g)
-    return x, x @ _teacher(seed) + 0.1 * torch.randn(BATCH, OUT, generator=g)
+def batch(seed: int, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s part (of ``world``) of step ``step``'s global batch: a fixed linear target with noise.
+    The global batch does not depend on how many ranks share it, so training goes on as before a death."""
+    x, y = _samples(seed, seed * 1_000_003 + step * 1009, GLOBAL_BATCH)
+    part = GLOBAL_BATCH // world
+    return x[rank * part : (rank + 1) * part], y[rank * part : (rank + 1) * part]
+
+
+def _samples(seed: int, stream: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(stream)
+    x = torch.randn(n, IN, generator=g)
+    return x, x @ _teacher(seed) + 0.1 * torch.randn(n, OUT, generator=g)
 
 
 def _teacher(seed: int) -> torch.Tensor:
@@ -57,7 +66,7 @@ def _teacher(seed: int) -> torch.Tensor:
 
 
 def validation_loss(model: nn.Module, seed: int) -> float:
-    x, y = batch(seed, 0, 10_000)  # inputs no rank trains on
+    x, y = _samples(seed, -1 - seed, 64)  # inputs no rank trains on
     with torch.no_grad():
         return float(nn.functional.mse_loss(model(x), y))
 
@@ -128,7 +137,7 @@ def main() -> None:
                     events.append({"what": "grew", "size": commlib.get_world_size(), "step": step})
             if first_life and not events and step == args.kill_at and commlib.get_rank() == args.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-            x, y = batch(args.seed, step, commlib.get_rank())
+            x, y = batch(args.seed, step, commlib.get_rank(), commlib.get_world_size())
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()

@@ -128,7 +128,7 @@ class Reducer:
         self.rank, self.world_size = commlib.get_rank(self.group), commlib.get_world_size(self.group)
         self._label = f"[rank {self.rank}/{self.world_size}] Reducer"
         self._world = commlib.group.WORLD if self.group is None else None
-        if self._comm is self._sum:
+        if self._comm == self._sum:  # a bound method is made anew at each access: not `is`
             self._scale = 1.0 / self.world_size
         self._reset()
 
