@@ -11,7 +11,8 @@ communicator), when the first all_reduce on the shrunk group was right (first go
 A row shows the median over the runs of the slowest survivor.
 
 Part 2, ``examples/train_through_failure.py`` on 4 ranks, 200 steps: under ``commlib.launch --on-failure
-replace``, uninterrupted, then with rank 2 killed at step 50 and its replacement taken in at step 100; under
+replace`` (the replacement started at the failure; then ``--spares 1``, a warm spare started with the job),
+uninterrupted, then with rank 2 killed at step 50 and its replacement taken in at step 100; under
 ``torchrun --max-restarts 2`` with a snapshot every 10 steps (rank 0 saves it), uninterrupted, then with the same
 kill (torch's agent restarts every worker, which resume from the snapshot). Time lost = wall time with the kill
 minus without; the final validation loss of both; whether every rank ends with the same weights.
@@ -142,12 +143,16 @@ def _results(out: str) -> list[dict]:
     return found
 
 
+_LAUNCHERS = ("commlib", "spare", "torchrun")
+
+
 def train(launcher: str, steps: int, kill_at: int, admit_from: int) -> dict | None:
     """One run of the example: wall seconds, the final loss, whether every rank's weights agree."""
     args = ["--steps", str(steps), "--kill-at", str(kill_at), "--admit-from", str(admit_from)]
     with tempfile.TemporaryDirectory() as tmp:
-        if launcher == "commlib":
+        if launcher in ("commlib", "spare"):
             cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "4", "--on-failure", "replace"]
+            cmd += ["--spares", "1"] if launcher == "spare" else []
             cmd += ["--master_port", str(_port()), str(EXAMPLE), *args, "--wait-for-replacement"]
         else:
             torchrun = shutil.which("torchrun")
@@ -167,26 +172,31 @@ def train(launcher: str, steps: int, kill_at: int, admit_from: int) -> dict | No
     return {"seconds": seconds, "loss": final["loss"], "same": len({r["checksum"] for r in last}) == 1}
 
 
-def part2(steps: int, kill_at: int, admit_from: int, launchers: tuple[str, ...] = ("commlib", "torchrun")) -> None:
+def part2(steps: int, kill_at: int, admit_from: int, launchers: tuple[str, ...] = _LAUNCHERS) -> None:
     print(f"# training, 4 ranks, {steps} steps: rank 2 killed at step {kill_at}; wall seconds")
-    print(f"{'run':<34} {'wall':>7} {'lost':>7} {'loss':>9}  same weights")
+    print(f"{'run':<38} {'wall':>7} {'lost':>7} {'loss':>9}  same weights")
     lost = {}
-    names = {"commlib": "commlib shrink + replacement", "torchrun": "torchrun restart (snapshots)"}
+    names = {
+        "commlib": "commlib shrink + replacement",
+        "spare": "commlib shrink + warm spare",
+        "torchrun": "torchrun restart (snapshots)",
+    }
     for launcher, name in ((x, names[x]) for x in launchers):
         clean = train(launcher, steps, -1, admit_from)
         hit = train(launcher, steps, kill_at, admit_from)
         if clean is None or hit is None:
-            print(f"{name:<34} (failed)")
+            print(f"{name:<38} (failed)")
             continue
         lost[launcher] = hit["seconds"] - clean["seconds"]
         for label, r in (("uninterrupted", clean), ("killed", hit)):
             extra = f"{lost[launcher]:>7.2f}" if label == "killed" else f"{'-':>7}"
             same = "yes" if r["same"] else "NO"
-            print(f"{name + ', ' + label:<34} {r['seconds']:>7.2f} {extra} {r['loss']:>9.4f}  {same}", flush=True)
+            print(f"{name + ', ' + label:<38} {r['seconds']:>7.2f} {extra} {r['loss']:>9.4f}  {same}", flush=True)
         print(f"# {name}: final loss killed/uninterrupted = {hit['loss'] / clean['loss']:.3f}x")
-    if len(lost) == 2:
-        ratio = lost["torchrun"] / max(lost["commlib"], 1e-3)
-        print(f"# time lost: torchrun restart / commlib = {ratio:.1f}x")
+    for mine in ("commlib", "spare"):
+        if mine in lost and "torchrun" in lost:
+            ratio = lost["torchrun"] / max(lost[mine], 1e-3)
+            print(f"# time lost: torchrun restart / {names[mine]} = {ratio:.1f}x")
 
 
 def main() -> None:
@@ -199,7 +209,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         part1([3], 1)
-        part2(30, 10, 20, ("commlib",))  # torchrun's restarts: the full run only (4 workers importing torch, twice)
+        part2(30, 10, 20, ("spare",))  # torchrun's restarts: the full run only (4 workers importing torch, twice)
         return
     part1(args.ranks, args.runs)
     if not args.no_training:

@@ -309,7 +309,9 @@ def _guard(mesh: lifelines.Lifelines, kept: list[int], what: str) -> Any:
 
 
 # -- grow -----------------------------------------------------------------------------------------------------
-def grow_group(group: ProcessGroup | None = None, timeout: Any = None, wait_for: int = 0) -> ProcessGroup:
+def grow_group(
+    group: ProcessGroup | None = None, timeout: Any = None, wait_for: int = 0, at_most: int | None = None
+) -> ProcessGroup:
     """Take the processes waiting to join the job into the default group (collective over it); returns the
     default group: a new one, the newcomers ranked after its ranks, when any were waiting (every other group
     ends then, as after shrink_group), else the same one.
@@ -317,7 +319,8 @@ def grow_group(group: ProcessGroup | None = None, timeout: Any = None, wait_for:
     ``wait_for=n``: wait until at least ``n`` processes are waiting to join (a replacement the launcher
     started: ``commlib.launch --on-failure replace``), at most ``timeout`` (the group's timeout by default;
     the wait ends a little before the group's own timeout), then take in those that came; ``0`` (the
-    default) takes in only those already waiting, at the cost of one store read and two small broadcasts."""
+    default) takes in only those already waiting, at the cost of one store read and two small broadcasts.
+    ``at_most=n``: take in at most ``n`` (the first to ask); the others wait on (spares, ``--spares``)."""
     st = _world._state
     g = st.world
     call = "grow_group"
@@ -328,6 +331,8 @@ def grow_group(group: ProcessGroup | None = None, timeout: Any = None, wait_for:
     seconds = g.timeout if timeout is None else as_seconds(timeout, f"{g.label}{call}")
     if isinstance(wait_for, bool) or not isinstance(wait_for, int) or wait_for < 0:
         raise ValueError(f"{g.label}{call}: wait_for must be an int >= 0 (newcomers to wait for), got {wait_for!r}")
+    if at_most is not None and (isinstance(at_most, bool) or not isinstance(at_most, int) or at_most < wait_for):
+        raise ValueError(f"{g.label}{call}: at_most must be None or an int >= wait_for ({wait_for}), got {at_most!r}")
     backend = g.backend
     if g.broken is not None or backend is None:
         g.refuse(call)
@@ -343,6 +348,7 @@ def grow_group(group: ProcessGroup | None = None, timeout: Any = None, wait_for:
             if len(tickets) >= wait_for or time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
+        tickets = tickets if at_most is None else tickets[:at_most]
         if tickets:
             text = json.dumps({"tickets": tickets, "payload": backend.grow_payload()}).encode()
         header[:] = (len(tickets), len(text))
@@ -426,6 +432,9 @@ def join(spec: Spec, timeout: float, store: Any = None, init_method: str = "env:
         raw = jobstore.read(f"{_GROW}/answer/{ticket}")
         if raw is None:
             if jobstore.read(f"{_GROW}/closed") is not None:
+                if setting("COMMLIB_SPARE") != "":  # commlib.launch --spares: a spare the job never needed
+                    print("commlib: this spare was not needed: the job ended", file=sys.stderr, flush=True)
+                    raise SystemExit(0)
                 raise CommError(
                     "init_process_group (joining a running job): the job's rank 0 ended its program before taking "
                     "this process in"

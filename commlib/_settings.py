@@ -242,6 +242,14 @@ TABLE: tuple[Setting, ...] = (
         "a replacement; set it by hand to add a process)",
     ),
     Setting(
+        "COMMLIB_SPARE",
+        "",
+        _text,
+        "set (to its number) by commlib.launch --spares for a spare (with COMMLIB_JOIN=1, no RANK yet): when the "
+        "job ends before taking it in, init_process_group ends the program with exit code 0 instead of raising",
+        plumbing=True,
+    ),
+    Setting(
         "COMMLIB_REPLACES",
         "",
         _text,

@@ -93,8 +93,14 @@ def broadcast_state(
         raise TypeError(f"broadcast_state: module must be a torch.nn.Module, got {type(module).__qualname__}")
     rank = commlib.get_rank(group)
     broadcast_coalesced([*inner.parameters(), *inner.buffers()], group, src)
-    payload = [optimizer.state_dict() if optimizer is not None else None, extra] if rank == src else [None, None]
+    reducer = getattr(module, "reducer", None) if module is not inner else None  # a ddp.DistributedDataParallel's
+    payload: list[Any] = [None, None, None]
+    if rank == src:
+        state = reducer.plan_state() if reducer is not None else None
+        payload = [optimizer.state_dict() if optimizer is not None else None, extra, state]
     commlib.broadcast_object_list(payload, group_src=src, group=group)
     if optimizer is not None and rank != src:
         optimizer.load_state_dict(payload[0])
+    if reducer is not None and payload[2] is not None and rank != src:
+        reducer.adopt(payload[2])  # a newcomer's buckets as the members' (they rebuilt them long ago)
     return payload[1]

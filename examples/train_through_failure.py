@@ -7,9 +7,12 @@ SIGKILLs itself. The survivors' next collective raises ``commlib.RankFailedError
 default group (``commlib.shrink_group``), make their states one (``ddp.broadcast_state`` from the new rank 0:
 a survivor may have finished the step the others lost) and go on: each step's global batch (the same
 samples whatever the number of ranks) is shared by one rank fewer. From step
-``--admit-from`` on they call ``commlib.grow_group()`` before each step: a process started with
-``COMMLIB_JOIN=1`` (``--on-failure replace`` starts one; so can you, by hand, with the job's MASTER_ADDR and
+``--admit-from`` on, while they are fewer than at the start, they call ``commlib.grow_group()`` before each
+step: a process started with ``COMMLIB_JOIN=1`` (``--on-failure replace`` starts one at the failure;
+``--spares 1`` starts one with the job, warm and waiting; so can you, by hand, with the job's MASTER_ADDR and
 MASTER_PORT) is taken in, receives the state with ``ddp.broadcast_state`` and trains with them to the end.
+
+    python -m commlib.launch --nproc_per_node 4 --on-failure replace --spares 1 examples/train_through_failure.py
 
 The recovery, in the loop below, is a handful of lines::
 
@@ -130,9 +133,9 @@ def main() -> None:
         events.append({"what": "joined", "step": step, "t": time.monotonic() - start})
     while step < args.steps:
         try:
-            if args.recover == "shrink" and step >= args.admit_from:
+            if args.recover == "shrink" and step >= args.admit_from and commlib.get_world_size() < size:
                 before = commlib.group.WORLD
-                if commlib.grow_group() is not before:
+                if commlib.grow_group(at_most=size - commlib.get_world_size()) is not before:
                     step = ddp.broadcast_state(model, optimizer, extra=step)
                     events.append({"what": "grew", "size": commlib.get_world_size(), "step": step})
             if first_life and not events and step == args.kill_at and commlib.get_rank() == args.kill_rank:
@@ -157,7 +160,7 @@ def main() -> None:
             events.append({"what": "shrank", "failed": e.failed_ranks, "size": now, "step": step, "seconds": seconds})
     missing = size - commlib.get_world_size()
     if args.recover == "shrink" and args.wait_for_replacement and missing > 0:
-        commlib.grow_group(wait_for=missing, timeout=120)  # the replacements may still be starting
+        commlib.grow_group(wait_for=missing, at_most=missing, timeout=120)  # the replacements may still be starting
         if commlib.get_world_size() > size - missing:
             ddp.broadcast_state(model, optimizer, extra=step)
             events.append({"what": "grew at the end", "size": commlib.get_world_size(), "step": step})

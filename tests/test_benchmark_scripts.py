@@ -71,10 +71,10 @@ ROWS: dict[str, dict[str, int | range]] = {
     "torch_backend.py": {rf"{op} +{size} +{NUM} +{NUM} +{NUM}x": 1 for op in TORCH_OPS for size in ("8 B", "1 MiB")}
     | {rf"{name} +{NUM} +{NUM}x of torch DDP \(gloo\)": 1 for name in TORCH_DDP},
     # "     3      0.215      0.262       0.301  1/1" (detection, agreement, first good call);
-    # "commlib shrink + replacement, killed   41.20    1.93    0.2485  yes" (wall, lost, loss, same weights)
+    # "commlib shrink + warm spare, killed   41.20    1.93    0.2485  yes" (wall, lost, loss, same weights)
     "recovery.py": {rf" +3 +{NUM} +{NUM} +{NUM}  1/1": 1}
-    | {rf"commlib shrink \+ replacement, {run} +{NUM} +(-|{NUM}) +{NUM}  yes": 1 for run in ("uninterrupted", "killed")}
-    | {rf"# commlib shrink \+ replacement: final loss killed/uninterrupted = {NUM}x": 1},
+    | {rf"commlib shrink \+ warm spare, {run} +{NUM} +(-|{NUM}) +{NUM}  yes": 1 for run in ("uninterrupted", "killed")}
+    | {rf"# commlib shrink \+ warm spare: final loss killed/uninterrupted = {NUM}x": 1},
     # The globalview benchmarks (their smoke modes are their authors'): every method, every fully sharded batch
     "gv_train.py": {rf"{name} +{NUM} +{NUM} +{NUM}x +{NUM}x": 1 for name in GV_TRAIN}
     | {"# fully sharded .*": 1, rf"\d+ +{NUM} +{NUM} +{NUM}x .*": SOME},

@@ -167,3 +167,38 @@ def test_custom_comm_and_trace_file(tmp_path) -> None:
     for out, names in results:
         assert out == [[1.0, 1.0], [1.5, 1.5, 1.5]]
         assert names == ["all_reduce bucket 0", "all_reduce bucket 1", "finalize"]
+
+
+def _adopted() -> dict:
+    """A reducer made late (a newcomer after grow_group) takes a member's plan state: no rebuild of its own, the
+    members' buckets, and the next iteration's calls match theirs."""
+    import commlib
+    from ddp import Reducer
+
+    rank = commlib.get_rank()
+    tiny = 40 / 2**20
+    params = _init()
+    member = Reducer(params, bucket_cap_mb=tiny, first_bucket_mb=None)
+    for index in (3, 1, 2, 0):  # the first iteration rebuilds the plan in this order (a collective)
+        member.ready(index, np.ones_like(params[index]))
+    member.finalize()
+    state = [member.plan_state() if rank == 0 else None]
+    commlib.broadcast_object_list(state, group_src=0)  # what ddp.broadcast_state sends a newcomer
+    late = Reducer(params, bucket_cap_mb=tiny, first_bucket_mb=None)
+    before = (str(late.plan), late.plan_state()[1])
+    late.adopt(state[0])
+    for index in (0, 1, 2, 3):  # no rebuild now: another order leaves the plan as it is
+        late.ready(index, np.full_like(params[index], rank + 1.0))
+    grads = late.finalize()
+    return {"before": before, "after": (str(late.plan), late.plan_state()[1]), "member": str(member.plan),
+            "grads": [g.tolist() for g in grads]}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_late_reducer_adopts_a_members_plan() -> None:
+    results = run(_adopted, 2, timeout=60)
+    rebuilt = "BucketPlan(#0 float64@cpu 56 B [3, 1]; #1 float64@cpu 80 B [2]; #2 float64@cpu 120 B [0])"
+    for r in results:
+        assert r["before"][1] is True and r["before"][0] != rebuilt  # a fresh reducer would rebuild
+        assert r["after"] == (rebuilt, False) and r["member"] == rebuilt
+        assert all(np.allclose(g, 1.5) for g in r["grads"])

@@ -24,8 +24,9 @@ from ports import free_port
 WORKER = """
 import os, subprocess, sys, time
 folder = sys.argv[1]
-rank, join, replaces = os.environ["RANK"], os.environ.get("COMMLIB_JOIN", "-"), os.environ.get("COMMLIB_REPLACES", "")
-tag = f"rank{rank}" + (f".replaces{replaces}" if replaces else "")
+rank, join = os.environ.get("RANK"), os.environ.get("COMMLIB_JOIN", "-")
+replaces = os.environ.get("COMMLIB_REPLACES", "")
+tag = f"rank{rank}" + (f".replaces{replaces}" if replaces else "") if rank else "spare" + os.environ["COMMLIB_SPARE"]
 print(f"started {tag} join={join} replaces={replaces or '-'} omp={os.environ['OMP_NUM_THREADS']}", flush=True)
 if len(sys.argv) > 2 and sys.argv[2] != "-":
     sys.exit(int(sys.argv[2]))
@@ -307,6 +308,26 @@ def test_replace_starts_a_process_that_takes_the_rank_over(tmp_path: Path) -> No
     assert _left_behind(marker) == []  # what the dead workers started died with them
 
 
+def test_a_failure_under_replace_is_covered_by_a_waiting_spare(tmp_path: Path) -> None:
+    """--spares 1: a spare starts with the job (COMMLIB_JOIN=1, COMMLIB_SPARE=0, no RANK), speaks as [spare 0];
+    rank 1's death is covered by it (no new process); a second death, with no spare left, starts a replacement."""
+    launcher = _launch(tmp_path, 3, ["--on-failure", "replace", "--spares", "1"])
+    pids = [_pid(tmp_path, f"rank{r}", launcher) for r in range(3)]
+    _pid(tmp_path, "spare0", launcher)
+    os.kill(pids[1], signal.SIGKILL)
+    line = launcher.line("rank 1 failed")
+    assert line.strip().endswith("; a spare takes its place when the job grows (1 spare(s) running)"), line
+    os.kill(pids[2], signal.SIGKILL)
+    line = launcher.line("rank 2 failed")
+    assert line.strip().endswith("; starting replacement 1 of 3 for rank 2"), line
+    _pid(tmp_path, "rank2.replaces2", launcher)
+    (tmp_path / "done").touch()
+    out, err = launcher.finish()
+    assert launcher.proc.returncode == 0, err
+    assert "[spare 0] started spare0 join=1 replaces=- omp=1" in out.splitlines(), out
+    assert "replaces1" not in out, out
+
+
 def test_replace_writes_a_replacement_s_output_to_a_file_of_its_own(tmp_path: Path) -> None:
     logdir = tmp_path / "logs"
     flags = ["--on-failure", "replace", "--redirect_stdout_and_stderr", "--logdir", str(logdir)]
@@ -361,6 +382,9 @@ def test_flags_are_checked_and_explained() -> None:
     wrong = launch("--max_replacements", "2", "--on-failure", "continue", "x.py")
     assert wrong.returncode == 2
     assert "error: --max_replacements counts the replacements of --on-failure replace, not continue" in wrong.stderr
+    wrong = launch("--spares", "1", "x.py")
+    assert wrong.returncode == 2
+    assert "error: --spares waits for a failure the job survives: use --on-failure continue or replace" in wrong.stderr
 
 
 COLLECTIVES = """

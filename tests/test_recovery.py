@@ -127,7 +127,7 @@ else:
         event("shrunk", size=dist.get_world_size())
     while dist.get_world_size() < 4:  # take newcomers in between steps, as a training loop would
         dist.all_reduce(np.ones(4, np.float32))
-        dist.grow_group()
+        dist.grow_group(at_most=4 - dist.get_world_size())  # the rank it lost: a second newcomer waits on
     dist.broadcast(state, 0)
 n = dist.get_world_size()
 right = 0
@@ -141,14 +141,21 @@ event("done", right=right, size=n, now=dist.get_rank(), state=state.tolist())
 
 @pytest.mark.parametrize("backend", ["mpi", "nccl"])
 def test_a_newcomer_joins_the_shrunk_group_and_receives_its_state(backend: str) -> None:
-    job = run(4, GROW, kills=[Kill([2], "ready", delay=0.3)], newcomers=["shrunk"], env=BACKENDS[backend])
+    """Two spares wait (COMMLIB_SPARE, as commlib.launch --spares starts them); grow_group(at_most=1) takes one
+    in; the other is sent home, exit 0, when the job's rank 0 ends."""
+    env = BACKENDS[backend] | {"COMMLIB_SPARE": "0"}
+    job = run(4, GROW, kills=[Kill([2], "ready", delay=0.3)], newcomers=["shrunk", "shrunk"], env=env)
     assert not job.hung, job.report()
-    done = [p.first("done") for p in job.survivors()]
+    done = [p.first("done") for p in job.survivors() if p.first("joined") is not None or p.rank >= 0]
     assert all(d is not None for d in done), job.report()
     assert sorted(d["now"] for d in done) == [0, 1, 2, 3], job.report()
     assert all(d["size"] == 4 and d["right"] == 20 and d["state"] == list(range(8)) for d in done), done
-    newcomer = next(p for p in job.processes if p.rank < 0)
-    assert newcomer.first("joined")["now"] == 3 and newcomer.proc.returncode == 0, job.report()
+    newcomers = [p for p in job.processes if p.rank < 0]
+    assert [p.proc.returncode for p in newcomers] == [0, 0], job.report()
+    taken = [p for p in newcomers if p.first("joined") is not None]
+    assert len(taken) == 1 and taken[0].first("joined")["now"] == 3, job.report()  # type: ignore[index]
+    home = next(p for p in newcomers if p is not taken[0])
+    assert home.events == [] and "commlib: this spare was not needed: the job ended" in home.err, job.report()
 
 
 def test_a_stopped_rank_is_not_declared_dead_before_the_timeout() -> None:

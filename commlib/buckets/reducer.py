@@ -363,6 +363,20 @@ class Reducer:
         self._check_plan(box[0])
         self._install(box[0], keep=True)
 
+    def plan_state(self) -> tuple[Any, bool]:
+        """What a newcomer needs to make the calls this rank makes: the bucket plan, and whether the first
+        iteration's rebuild is still to come (``ddp.broadcast_state`` sends it)."""
+        return self.plan, self._rebuild_pending
+
+    def adopt(self, state: tuple[Any, bool]) -> None:
+        """Take another rank's :meth:`plan_state` (a newcomer after ``commlib.grow_group``): the same buckets and
+        the same rebuild to come, so that the next iteration's calls match theirs."""
+        plan, pending = state
+        self._rebuild_pending = bool(pending)
+        if plan != self.plan:
+            self._check_plan(plan)
+            self._install(plan, keep=True)
+
     def _check_plan(self, plan: Any) -> None:
         ok = isinstance(plan, BucketPlan) and len(plan.location) == len(self._infos)
         ok = ok and all(sum(self._infos[p].numel for p in b.params) == b.numel for b in plan.buckets)

@@ -71,7 +71,8 @@ def _record(name: str, text: str) -> None:
     """Leave a note for the launcher (which rank runs as which pid, how it ended)."""
     folder = setting("COMMLIB_LAUNCH_STATUS")
     if folder:
-        path = Path(folder) / f"rank{os.environ.get('RANK', 'x')}.{name}"
+        spare = setting("COMMLIB_SPARE")  # a spare (--spares) has no rank of its own yet
+        path = Path(folder) / (f"spare{spare}.{name}" if spare else f"rank{os.environ.get('RANK', 'x')}.{name}")
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.replace(path)

@@ -54,6 +54,7 @@ examples:
   python -m commlib.launch --nnodes 2 --node_rank 0 --master_addr 10.0.0.1 --nproc_per_node 4 train.py  # on node 0
   python -m commlib.launch --nnodes 2 --node_rank 1 --master_addr 10.0.0.1 --nproc_per_node 4 train.py  # on node 1
   python -m commlib.launch --nproc_per_node 4 --on-failure replace --max_replacements 2 train.py
+  python -m commlib.launch --nproc_per_node 4 --on-failure replace --spares 1 train.py
 
 each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK (= GROUP_RANK), NNODES,
 MASTER_ADDR and MASTER_PORT (torchrun's variables); init_process_group() reads them.
@@ -63,7 +64,10 @@ own, or mpiexec's). continue and replace print one line per failure and go on; t
 worker still running once one had finished exited 0, else with the first of those that failed (when no
 worker finished: the first failure's code; 128 + N for signal N). A replacement runs the dead worker's
 command with its environment plus COMMLIB_JOIN=1 and COMMLIB_REPLACES=<rank>, its lines prefixed with that
-rank. These modes are commlib.launch's; under torchrun, torch's agent restarts every worker (--max-restarts).
+rank. --spares N starts N such processes with the job (COMMLIB_SPARE=<k>, lines prefixed [spare k]): warm,
+they wait until a grow_group() takes them in, and a failure uses one before starting a replacement; a spare
+the job never needed exits 0 when the job ends. These modes are commlib.launch's; under torchrun, torch's
+agent restarts every worker (--max-restarts).
 """
 
 
@@ -131,6 +135,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"with --on-failure replace: replace each rank at most N times (default: {_MAX_REPLACEMENTS})",
     )
+    p.add_argument(
+        "--spares",
+        type=int,
+        metavar="N",
+        default=0,
+        help="with --on-failure continue or replace: start N more processes with the workers, each waiting (in "
+        "init_process_group, COMMLIB_JOIN=1 and COMMLIB_SPARE=1) until the job's grow_group() takes it in; a "
+        "failure under replace is covered by a waiting spare before a new process is started; spares never "
+        "taken in exit 0 when the job ends (default: %(default)s)",
+    )
     p.add_argument("training_script", help="the script (or module with -m, or program with --no_python)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = p.parse_args(argv)
@@ -140,6 +154,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if args.max_replacements is not None and args.on_failure != "replace":
         p.error(f"--max_replacements counts the replacements of --on-failure replace, not {args.on_failure}")
+    if args.spares and args.on_failure == "abort":
+        p.error("--spares waits for a failure the job survives: use --on-failure continue or replace")
+    if args.spares < 0:
+        p.error(f"--spares must be >= 0, got {args.spares}")
     if args.max_replacements is None:
         args.max_replacements = _MAX_REPLACEMENTS
     if args.max_replacements < 0:

@@ -10,7 +10,10 @@ files under ``--logdir``; Ctrl-C or SIGTERM stops every worker; a worker dies wi
 
 A worker that fails gets one line (its rank, how it ended) and the job goes on; ``replace`` also starts a
 process that takes the rank over: the dead worker's command and environment plus ``COMMLIB_JOIN=1`` and
-``COMMLIB_REPLACES=<rank>``, at most ``--max_replacements`` times per rank.
+``COMMLIB_REPLACES=<rank>``, at most ``--max_replacements`` times per rank. ``--spares N`` starts N processes
+of that kind with the job (``COMMLIB_SPARE=1``, no rank yet): warm, they wait until the job takes them in
+(``grow_group``), so that a replacement costs no start; a failure under ``replace`` is covered by a waiting
+spare, while there is one, before a new process is started. A spare never taken in exits 0 at the job's end.
 
 The job's exit code: 0 when every worker still running once one had finished exited 0 (the job completed
 despite its losses); else the first of those that failed; when no worker finished, the first failure's.
@@ -38,6 +41,7 @@ __all__ = ["run_workers"]
 
 _GRACE = 5.0  # seconds between SIGTERM and SIGKILL when the job is stopped
 _DRAIN = 1.0  # after the last worker ended, how long output still open (a grandchild holds it) is read
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 _NOT_MPI_LAUNCHED = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_")  # an outer launcher's: not these workers'
 
 
@@ -98,11 +102,14 @@ class _Worker:
     env: dict[str, str]
     replacement: int
     log: str  # where its stderr goes, for messages
+    spare: int | None = None  # a spare's number: started with the job, waiting to be taken in
     pidfd: int | None = None
     relays: list[_Relay] = field(default_factory=list)
 
     @property
     def name(self) -> str:
+        if self.spare is not None:
+            return f"spare {self.spare}"
         return f"rank {self.rank}" + (f" (replacement {self.replacement})" if self.replacement else "")
 
 
@@ -113,8 +120,9 @@ class _Job:
     def __init__(self, args: argparse.Namespace, env: dict[str, str], status: Path) -> None:
         self.args, self.status, self.n = args, status, args.nproc_per_node
         self.selector = selectors.DefaultSelector()  # epoll on Linux: ready pidfds in the order they ended
-        self.live: dict[int, _Worker] = {}  # by rank
+        self.live: dict[int, _Worker] = {}  # by rank (a spare: by the RANK it was given, past the job's)
         self.replaced: dict[int, int] = {}
+        self.spares = args.spares  # spares no failure has counted on yet
         self.losses: list[tuple[int, int]] = []  # (rank, code) of each failure before any worker finished
         self.finished = False  # a worker exited 0: the job is ending, a failure now is the job's
         self.code: int | None = None  # the first failure after that
@@ -125,15 +133,22 @@ class _Job:
         for local in range(self.n):
             variables = rank_variables(self.args, local)
             self._start(int(variables["RANK"]), self.env | variables, 0)
+        for k in range(self.args.spares):  # no rank yet: the store's address only (a key past the ranks')
+            spare = self.args.node_rank * self.args.spares + k
+            variables = {v: rank_variables(self.args, 0)[v] for v in ("MASTER_ADDR", "MASTER_PORT", "NNODES")}
+            variables |= {"COMMLIB_JOIN": "1", "COMMLIB_SPARE": str(spare)}
+            env = {k: v for k, v in self.env.items() if k not in _RANK_VARIABLES}
+            self._start(self.n * self.args.nnodes + spare, env | variables, 0, spare=spare)
 
-    def _start(self, rank: int, env: dict[str, str], replacement: int) -> None:
+    def _start(self, rank: int, env: dict[str, str], replacement: int, spare: int | None = None) -> None:
         name = f"rank{rank}" + (f".replacement{replacement}" if replacement else "")
+        name = name if spare is None else f"spare{spare}"
         streams: list[Any] = [subprocess.PIPE, subprocess.PIPE]
         if self.args.redirect_stdout_and_stderr:
             folder = Path(self.args.logdir or "log").resolve()
             folder.mkdir(parents=True, exist_ok=True)
             streams = [open(folder / f"{name}.{kind}", "wb") for kind in ("stdout", "stderr")]  # noqa: SIM115
-        first = rank == 0 and not replacement  # stdin goes to rank 0, as under hydra
+        first = rank == 0 and not replacement and spare is None  # stdin goes to rank 0, as under hydra
         try:
             proc = subprocess.Popen(
                 program(self.args), env=env, stdin=None if first else subprocess.DEVNULL, stdout=streams[0],
@@ -145,10 +160,11 @@ class _Job:
             for stream in streams:
                 if stream is not subprocess.PIPE:
                     stream.close()
-        worker = _Worker(rank, proc, env, replacement, log_path(self.args, f"{name}.stderr"))
+        worker = _Worker(rank, proc, env, replacement, log_path(self.args, f"{name}.stderr"), spare=spare)
+        prefix = f"[{rank}] " if spare is None else f"[spare {spare}] "
         for pipe, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             if pipe is not None:
-                relay = _Relay(pipe, f"[{rank}] ".encode(), out.buffer)
+                relay = _Relay(pipe, prefix.encode(), out.buffer)
                 worker.relays.append(relay)
                 self.selector.register(pipe, selectors.EVENT_READ, relay)
         with contextlib.suppress(OSError, AttributeError):  # no pidfds here: its end is polled
@@ -200,9 +216,9 @@ class _Job:
             self.selector.unregister(worker.pidfd)
             os.close(worker.pidfd)
         del self.live[worker.rank]
-        note = self._forget_notes(worker.rank)
+        note = self._forget_notes(f"rank{worker.rank}" if worker.spare is None else f"spare{worker.spare}")
         if code == 0:
-            self.finished = True
+            self.finished = self.finished or worker.spare is None  # a spare sent home: not the job's end
         elif not stopped:
             self._failed(worker, code, note)
 
@@ -221,6 +237,11 @@ class _Job:
             self._say(f"{said}; {left} {self.code}")
             return
         self.losses.append((worker.rank, status))
+        if self.args.on_failure == "replace" and worker.spare is None and self.spares > 0:
+            self.spares -= 1
+            waiting = sum(w.spare is not None for w in self.live.values())
+            self._say(f"{said}; a spare takes its place when the job grows ({waiting} spare(s) running)")
+            return
         if self.args.on_failure == "replace":
             done = self.replaced.get(worker.rank, 0)
             if done < self.args.max_replacements:
@@ -229,7 +250,7 @@ class _Job:
                     f"{said}; starting replacement {done + 1} of {self.args.max_replacements} for rank {worker.rank}"
                 )
                 replacement_env = worker.env | {"COMMLIB_JOIN": "1", "COMMLIB_REPLACES": str(worker.rank)}
-                self._start(worker.rank, replacement_env, done + 1)
+                self._start(worker.rank, replacement_env, done + 1, worker.spare)
                 return
             times = f"{done} time" + "s" * (done != 1)
             said += f"; not replaced: rank {worker.rank} was replaced {times} already (--max_replacements {done})"
@@ -255,16 +276,16 @@ class _Job:
     def _count(self) -> str:
         return f"{len(self.live)} of {self.n} workers" + (" on this node" if self.args.nnodes > 1 else "")
 
-    def _forget_notes(self, rank: int) -> str:
+    def _forget_notes(self, name: str) -> str:
         """The reason the worker's bootstrap noted for a failure (its exception), and its notes removed: the
         next process of its rank writes its own."""
         why = ""
         with contextlib.suppress(OSError):
-            code, _, why = (self.status / f"rank{rank}.exit").read_text().partition(" ")
+            code, _, why = (self.status / f"{name}.exit").read_text().partition(" ")
             why = "" if code == "0" else why
         for kind in ("pid", "exit", "after", "flight"):
             with contextlib.suppress(OSError):
-                (self.status / f"rank{rank}.{kind}").unlink()
+                (self.status / f"{name}.{kind}").unlink()
         return why
 
     def _signal_all(self, signum: int) -> None:
