@@ -19,6 +19,7 @@ the ranks of the current world.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import selectors
 import socket
@@ -38,14 +39,20 @@ DIED, LEFT = "died", "left"
 
 
 def _keepalive(sock: socket.socket) -> None:
-    """Probe after IDLE s of silence, give up after one unanswered probe; unacknowledged data: the same."""
+    """Probe after IDLE s of silence, give up after one unanswered probe; unacknowledged data: the same. Not
+    for a peer on this host: its death closes the connection (its kernel is ours), and on a machine loaded
+    past its cores a late probe must not make a live process dead."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with contextlib.suppress(OSError, ValueError):
+        peer, mine = sock.getpeername()[0], sock.getsockname()[0]
+        if peer == mine or ipaddress.ip_address(peer).is_loopback:
+            return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", IDLE), ("TCP_KEEPINTVL", PROBE), ("TCP_KEEPCNT", 1)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     if hasattr(socket, "TCP_USER_TIMEOUT"):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (IDLE + PROBE) * 1000)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _frame(msg: dict[str, Any]) -> bytes:
