@@ -389,6 +389,9 @@ class ProcessGroup:
         explained as ranks that disagree."""
         if slot >= 0:
             _ring.end(slot, self, seq, ok=False)
+        device = self.backend is not None and self.backend.digests() is not None
+        if type(err) is CommError and self.broken is None and device:  # did a peer fence the group off, saying why?
+            err = devicewatch.peer_gave_up(self) or err  # (NCCL tells no peer of an abort: the store does)
         if type(err) is CommError and self.broken is None:  # the engine failed: did a member die (the lifelines)?
             err = dead_members(self, _DEATH_GRACE) or err
         if isinstance(err, RankFailedError) and self.broken is None:
@@ -466,6 +469,8 @@ class ProcessGroup:
         if self.broken is None:
             self.broken, self.ready = err, None
             if self.backend is not None:
+                if self.backend.digests() is not None:  # a device communicator tells no peer: the store does
+                    devicewatch.gave_up(self, f"{type(err).__name__}: {err}")
                 self.backend.abort(f"{type(err).__name__}: {err}")
 
     def mark_failed(self, err: RankFailedError) -> None:

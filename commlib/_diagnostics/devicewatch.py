@@ -19,14 +19,15 @@ import threading
 import time
 from typing import Any
 
-from commlib._diagnostics import jobstore
+from commlib._diagnostics import jobstore, verdicts
 from commlib.backends._digests import difference
-from commlib.errors import CollectiveMismatchError
+from commlib.errors import CollectiveMismatchError, GroupBrokenError
 
-__all__ = ["EVERY", "compare", "watch"]
+__all__ = ["EVERY", "compare", "gave_up", "peer_gave_up", "watch"]
 
 EVERY = 0.5  # seconds between two looks
 _PREFIX = "commlib/mon/digests"
+_GAVE_UP = "commlib/mon/gave-up"
 
 
 class _State:
@@ -81,13 +82,40 @@ def _key(g: Any, group_rank: int) -> str:
     return f"{_PREFIX}/{_state.world}/{g.name}/{group_rank}"
 
 
+def gave_up(g: Any, reason: str) -> None:
+    """This rank fenced ``g`` off for ``reason``: tell its peers through the job's store. On a device
+    communicator nothing else would (NCCL tells no peer of an abort): they would wait for their timeout."""
+    if jobstore.dead() is None and g.rank >= 0 and g.size > 1:
+        jobstore.request("set", f"{_GAVE_UP}/{_state.world}/{g.name}/{g.rank}", reason[:4000])
+
+
+def peer_gave_up(g: Any) -> GroupBrokenError | None:
+    """The first peer of ``g`` that said it gave up on it (:func:`gave_up`), as the backend's raw error (its
+    ``peer`` and ``reason``: the group layer words it), or None."""
+    if jobstore.dead() is not None or g.rank < 0:
+        return None
+    for p in range(g.size):
+        raw = jobstore.read(f"{_GAVE_UP}/{_state.world}/{g.name}/{p}") if p != g.rank else None
+        if raw is not None:
+            return GroupBrokenError(f"group rank {p} gave up on the group: {raw}", peer=p, reason=raw)
+    return None
+
+
 def _look(g: Any) -> None:
-    """Publish ``g``'s digests where they moved; fence ``g`` off where a peer's differ from them."""
+    """Publish ``g``'s digests where they moved; fence ``g`` off where a peer's differ from them, or where a
+    peer gave up on it."""
     mine = g.backend.digests().summary()
     key, text = _key(g, g.rank), json.dumps(mine)
     if _state.published.get(key) != text:
         _state.published[key] = text
         jobstore.request("set", key, text)
+    notice = peer_gave_up(g)
+    if notice is not None and g.broken is None:
+        what = g.what("its calls", 0)
+        err = GroupBrokenError(verdicts.gave_up(what, g.ranks[notice.peer], notice.reason or ""), peer=notice.peer)
+        err.context = what
+        g.mark_broken(err)
+        return
     for p in range(g.size):
         if p == g.rank:
             continue
@@ -111,10 +139,11 @@ def _look(g: Any) -> None:
             return
 
 
-def compare(g: Any, wait: float = 1.0) -> CollectiveMismatchError | None:
+def compare(g: Any, wait: float = 1.0) -> CollectiveMismatchError | GroupBrokenError | None:
     """``g``'s digests, published now, against every peer's, waiting up to ``wait`` s for each to have folded as
     many calls: the backend's raw error for the first call that differs (its ``peer``, ``theirs``, ``mine``; the
-    group layer words it), or None (they agree as far as they tell, or there is no store)."""
+    group layer words it), a peer's notice that it gave up on the group, or None (they agree as far as they
+    tell, or there is no store)."""
     if jobstore.dead() is not None or g.rank < 0:
         return None
     mine = g.backend.digests().summary()
@@ -123,6 +152,9 @@ def compare(g: Any, wait: float = 1.0) -> CollectiveMismatchError | None:
     jobstore.request("set", _key(g, g.rank), text)
     deadline, pending = time.monotonic() + wait, [p for p in range(g.size) if p != g.rank]
     while pending and jobstore.dead() is None:
+        notice = peer_gave_up(g)
+        if notice is not None:
+            return notice
         for p in list(pending):
             raw = jobstore.read(_key(g, p))
             theirs = json.loads(raw) if raw is not None else None
