@@ -54,19 +54,22 @@ class Machine:
     op_overhead: tuple[float, float] = (0.0, 0.0)  # per operator: forward, backward
     step_overhead: float = 0.0  # per boxing step, beside its collective
     param_overhead: float = 0.0  # per parameter and step: globalview's gradient hooks
+    gather_overhead: float = 0.0  # per gather of the weights plan (_weights: prefetched, no boxing machinery)
     bandwidth: float = 1e10  # bytes per second of a memory-bound pass (read + write)
     optimizer: dict[str, tuple[float, float]] = field(default_factory=dict)  # states -> (s per param, s per byte)
     ops: dict[str, tuple[float, float]] = field(default_factory=dict)  # timed operators (see _optime)
 
-    def collective(self, kind: str, p: int, nbytes: float) -> float:
-        """Seconds of one ``kind`` collective over ``p`` ranks, each rank's buffer ``nbytes`` (see the docstring)."""
+    def collective(self, kind: str, p: int, nbytes: float, boxing: bool = True) -> float:
+        """Seconds of one ``kind`` collective over ``p`` ranks, each rank's buffer ``nbytes`` (see the docstring);
+        ``boxing``: with globalview's overhead per boxing step (not for the weights plan's and buckets' calls)."""
         if p <= 1 or nbytes <= 0:
             return 0.0
+        extra = self.step_overhead if boxing else 0.0
         points = self.comm.get(f"{kind}/{p}") or self.comm.get(f"{kind}/2") or [(1, 0.0)]
         if nbytes >= points[-1][0]:
-            return points[-1][1] * nbytes / points[-1][0] + self.step_overhead
+            return points[-1][1] * nbytes / points[-1][0] + extra
         sizes, secs = _logs(tuple(points))
-        return math.exp(float(np.interp(math.log(max(nbytes, 1)), sizes, secs))) + self.step_overhead
+        return math.exp(float(np.interp(math.log(max(nbytes, 1)), sizes, secs))) + extra
 
     def copy(self, nbytes: float) -> float:
         """Seconds to read and write ``nbytes`` once (a local boxing step: slice, zero, fill)."""
@@ -132,6 +135,7 @@ def fit(pl: Placement, largest: int = SIZES[-1], refresh: bool = False) -> Machi
         machine = Machine(key, _measure_comm(pl, sizes))
         machine.bandwidth = _slowest(_bandwidth())
         machine.op_overhead, machine.step_overhead, machine.param_overhead = _overheads(pl, machine)
+        machine.gather_overhead = _gather_overhead(pl, machine)
         machine.optimizer = {str(k): _optimizer(k) for k in (0, 1, 2)}
         save(machine)
         return machine
@@ -302,6 +306,36 @@ def _param_overhead(pl: Placement, op_overhead: tuple[float, float]) -> float:
     ops = 2 * layers + 1  # linear and its bias's add per layer, the sum
     rest = glob - local - ops * (op_overhead[0] + op_overhead[1])
     return _slowest(max(0.0, rest) / (2 * layers), commlib.ReduceOp.MAX)
+
+
+def _gather_overhead(pl: Placement, machine: Machine) -> float:
+    """Seconds per gather of the weights plan beside its collective: a stack of tiny Linear layers fully sharded
+    (each weight gathered in forward and again in backward, each bias in forward; gradients bucketed) beside the
+    same stack data parallel, less the gathers' measured collectives."""
+    import torch
+
+    from globalview._tensor import to_global as make_global
+    from globalview.nn import to_global
+    from globalview.sbp import broadcast, split
+
+    layers, width = 16, 2 * len(pl.flat)
+    x = make_global(torch.zeros(2, width), pl, (split(0),) * pl.ndim)
+
+    def timer(sbp: Any) -> Callable[[], tuple[float, float]]:
+        model = to_global(torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))), pl, sbp)
+
+        def step() -> tuple[float, float]:
+            start = clock()
+            model(x).sum().backward()
+            return clock() - start, 0.0
+
+        return step
+
+    sharded = _least(timer((split(0),) * pl.ndim), 15)[0]
+    replicated = _least(timer((broadcast,) * pl.ndim), 15)[0]
+    gathers = 3 * layers - 1  # weights in forward and again in backward (not the first: its input needs none), biases
+    raw = sum(machine.collective("all_gather", p, 4.0 * width * width, boxing=False) for p in pl.hierarchy)
+    return _slowest(max(0.0, (sharded - replicated) / gathers - raw), commlib.ReduceOp.MAX)
 
 
 def _optimizer(states: int) -> tuple[float, float]:

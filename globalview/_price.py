@@ -32,6 +32,7 @@ from globalview._layout import block_shape
 from globalview._machine import Machine
 from globalview._plan import Plan, adjoint
 from globalview._trace import Node, Trace
+from globalview._weights import gathered_axis
 from globalview.sbp import SbpParallel, broadcast, split
 
 __all__ = ["OPT_PASSES", "Cand", "Pricer", "candidates", "param_layouts"]
@@ -140,6 +141,23 @@ class Pricer:
             total += self.machine.collective(s.kind, size, buffer)
         return total
 
+    def weights_gather(self, shape: tuple[int, ...], dtype: Any, p: Plan) -> float:
+        """Seconds of a sharded parameter's gather by the weights plan: the collective and the plan's own overhead
+        (its calls go to commlib directly, prefetched: not a boxing step's)."""
+        axis = gathered_axis(p)
+        size = self.pl.hierarchy[axis]
+        whole = self.nbytes(shape, p.dst[1], dtype)
+        return self.machine.collective("all_gather", size, whole, boxing=False) + self.machine.gather_overhead
+
+    def bucketed_scatter(self, shape: tuple[int, ...], dtype: Any, p: Plan) -> float:
+        """Seconds of a gathered parameter's gradient reduce_scatter in the weights plan's buckets: its share of a
+        bucket's collective (at a bucket's rate), and the copy into the bucket for the small ones."""
+        size = self.pl.hierarchy[gathered_axis(p)]
+        whole = self.nbytes(shape, p.dst[1], dtype)
+        m = self.machine
+        t = m.collective("reduce_scatter", size, BUCKET_BYTES, boxing=False) * whole / BUCKET_BYTES
+        return t + (2 * whole / m.bandwidth if whole < LONE_BYTES else 0.0)
+
     def edge(self, index: int, i: int, src: Layout, dst: Layout) -> Edge:
         """Input ``i`` of node ``index`` boxed from ``src`` to ``dst``: forward, backward, kept and transient bytes."""
         node = self.trace.nodes[index]
@@ -154,14 +172,16 @@ class Pricer:
         if _splits_into_partial((src,), (dst,)):
             return Edge(math.inf, 0.0, 0.0, 0.0)
         p = boxing_plan(shape, dtype, self.pl, src, dst)
-        t, moved = self.plan_time(p), p.nbytes
+        weights = param and gathered_axis(p) is not None  # the weights plan runs it (_weights), not boxing
+        gather = self.weights_gather(shape, dtype, p) if weights else self.plan_time(p)
+        t, moved = gather, p.nbytes
         if grad and p.steps:
-            t += sum(self.plan_time(q) for q in adjoint(p))
+            t += self.bucketed_scatter(shape, dtype, p) if weights else sum(self.plan_time(q) for q in adjoint(p))
             moved += _adjoint_bytes(p)
         released = param and _gathers(p) and others
         mem = 0.0
         if released and saved:
-            t, moved = t + self.plan_time(p), moved + p.nbytes
+            t, moved = t + gather, moved + p.nbytes
         elif saved and p.steps:
             mem = self.nbytes(shape, dst, dtype)
         elif saved and not param and owns:
@@ -225,7 +245,7 @@ class Pricer:
         axes = self.reduced_axes(layout)
         if axes:
             group = math.prod(self.pl.hierarchy[a] for a in axes)
-            t += m.collective("all_reduce", group, BUCKET_BYTES) * size / BUCKET_BYTES
+            t += m.collective("all_reduce", group, BUCKET_BYTES, boxing=False) * size / BUCKET_BYTES
             if size < LONE_BYTES:
                 t += 2 * size / m.bandwidth
         persistent = size * (1 + self.states + (1 if self.bucketed(layout) else 0))
