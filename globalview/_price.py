@@ -4,7 +4,10 @@ A plan gives every parameter a layout and every operator a signature. Its predic
 
 - each operator: its local forward and backward (timed at the local shapes the signature gives it,
   ``_optime``) and globalview's overhead per operator; the boxing of each input: forward, its adjoint in
-  backward when the input needs a gradient, and a released parameter gathered again for backward;
+  backward when the input needs a gradient, and a released parameter gathered again for backward. A
+  sharded parameter gathered whole (``S(0) -> B`` on one axis) is priced as the weights plan runs it
+  (``_weights``): its all_gather and the plan's measured overhead per gather, not a boxing step's, and its
+  gradient's reduce_scatter as its share of a bucket's;
 - each parameter: its gradient summed over its broadcast mesh axes (the bucketed all-reduce, copies in and
   out for the small ones) and the optimizer's pass over its local part.
 
