@@ -1,15 +1,16 @@
-"""The machine the automatic planner prices plans on: collectives measured, operators timed, cached. :func:`fit`
-measures, collectively on every rank of a placement, how long commlib's collectives take (all_gather,
-reduce_scatter, all_reduce, all_to_all) over groups of each size the placement's mesh lines and sub-meshes
-form, at sizes from 4 KiB, 8 times apart, up to the model's largest tensor (128 MiB at most; a larger model
-later completes the table), and what globalview itself adds per operator, per boxing step, per gather of the
-weights plan and per parameter (Python, autograd hooks), memory bandwidth and the optimizer's step.
-:meth:`Machine.collective` interpolates the measured times (log-log between sizes, in proportion beyond the
-largest). Every rank measures at once (as a training step runs), and the slowest rank's times are kept: the
-step waits for it. Each measurement is the least of several runs (``_least``): other jobs on a shared machine
-only ever add time, and the plan is priced for the machine, not for their load. Computation is timed in this
-process's CPU seconds when torch runs one thread (:func:`clock`): other jobs on a shared machine stretch
-wall-clock times, not those.
+"""The machine the automatic planner prices plans on: collectives measured, operators timed, cached.
+
+:func:`fit` measures, collectively on every rank of a placement, how long commlib's collectives take
+(all_gather, reduce_scatter, all_reduce, all_to_all) over groups of each size the placement's mesh lines and
+sub-meshes form, at sizes from 4 KiB, 8 times apart, up to the model's largest tensor (128 MiB at most; a
+larger model later completes the table), and what globalview itself adds per operator, per boxing step, per
+gather of the weights plan and per parameter (Python, autograd hooks), memory bandwidth and the optimizer's
+step. :meth:`Machine.collective` interpolates the measured times (log-log between sizes, in proportion beyond
+the largest). Every rank measures at once (as a training step runs), and the slowest rank's times are kept:
+the step waits for it. Each measurement is the least of several runs (``_least``): other jobs on a shared
+machine only ever add time, and the plan is priced for the machine, not for their load. Computation is timed
+in this process's CPU seconds when torch runs one thread (:func:`clock`): other jobs on a shared machine
+stretch wall-clock times, not those.
 
 The results are cached in a JSON file (``GLOBALVIEW_CACHE``, default ``~/.cache/globalview/machine.json``),
 keyed by the host, the world and torch's thread count; operator timings (``_optime``) go in the same file.
