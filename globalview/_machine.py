@@ -1,14 +1,16 @@
 """The machine the automatic planner prices plans on: collectives measured, operators timed, cached.
 
 :func:`fit` measures, collectively on every rank of a placement, how long commlib's collectives take
-(all_gather, reduce_scatter, all_reduce, all_to_all) over groups of each size the placement's mesh lines
-and sub-meshes form, at sizes from 4 KiB, 8 times apart, up to the model's largest tensor (128 MiB at
-most; a larger model later completes the table), and what globalview itself adds per operator, per boxing
-step and per parameter (Python, autograd hooks), memory bandwidth and the optimizer's step.
-:meth:`Machine.collective` interpolates the measured times (log-log between sizes, in proportion beyond
-the largest). Every rank measures at once (as a training step runs), and the slowest rank's times are
-kept: the step waits for it. Computation is timed in this process's CPU seconds when torch runs one
-thread (:func:`clock`): other jobs on a shared machine stretch wall-clock times, not those.
+(all_gather, reduce_scatter, all_reduce, all_to_all) over groups of each size the placement's mesh lines and
+sub-meshes form, at sizes from 4 KiB, 8 times apart, up to the model's largest tensor (128 MiB at most; a
+larger model later completes the table), and what globalview itself adds per operator, per boxing step, per
+gather of the weights plan and per parameter (Python, autograd hooks), memory bandwidth and the optimizer's
+step. :meth:`Machine.collective` interpolates the measured times (log-log between sizes, in proportion beyond
+the largest). Every rank measures at once (as a training step runs), and the slowest rank's times are kept:
+the step waits for it. Each measurement is the least of several runs (``_least``): other jobs on a shared
+machine only ever add time, and the plan is priced for the machine, not for their load. Computation is timed
+in this process's CPU seconds when torch runs one thread (:func:`clock`): other jobs on a shared machine
+stretch wall-clock times, not those.
 
 The results are cached in a JSON file (``GLOBALVIEW_CACHE``, default ``~/.cache/globalview/machine.json``),
 keyed by the host, the world and torch's thread count; operator timings (``_optime``) go in the same file.
@@ -37,6 +39,7 @@ __all__ = ["KINDS", "Machine", "cache_path", "fit"]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 21, 1 << 24, 1 << 27)  # bytes of each rank's buffer (x8 apart)
 REPEATS = 5
+VERSION = 2  # of the measurements' method: a cache of another version is measured again
 
 
 def cache_path() -> Path:
@@ -53,19 +56,22 @@ class Machine:
     op_overhead: tuple[float, float] = (0.0, 0.0)  # per operator: forward, backward
     step_overhead: float = 0.0  # per boxing step, beside its collective
     param_overhead: float = 0.0  # per parameter and step: globalview's gradient hooks
+    gather_overhead: float = 0.0  # per gather of the weights plan (_weights: prefetched, no boxing machinery)
     bandwidth: float = 1e10  # bytes per second of a memory-bound pass (read + write)
     optimizer: dict[str, tuple[float, float]] = field(default_factory=dict)  # states -> (s per param, s per byte)
     ops: dict[str, tuple[float, float]] = field(default_factory=dict)  # timed operators (see _optime)
 
-    def collective(self, kind: str, p: int, nbytes: float) -> float:
-        """Seconds of one ``kind`` collective over ``p`` ranks, each rank's buffer ``nbytes`` (see the docstring)."""
+    def collective(self, kind: str, p: int, nbytes: float, boxing: bool = True) -> float:
+        """Seconds of one ``kind`` collective over ``p`` ranks, each rank's buffer ``nbytes`` (see the docstring);
+        ``boxing``: with globalview's overhead per boxing step (not for the weights plan's and buckets' calls)."""
         if p <= 1 or nbytes <= 0:
             return 0.0
+        extra = self.step_overhead if boxing else 0.0
         points = self.comm.get(f"{kind}/{p}") or self.comm.get(f"{kind}/2") or [(1, 0.0)]
         if nbytes >= points[-1][0]:
-            return points[-1][1] * nbytes / points[-1][0] + self.step_overhead
+            return points[-1][1] * nbytes / points[-1][0] + extra
         sizes, secs = _logs(tuple(points))
-        return math.exp(float(np.interp(math.log(max(nbytes, 1)), sizes, secs))) + self.step_overhead
+        return math.exp(float(np.interp(math.log(max(nbytes, 1)), sizes, secs))) + extra
 
     def copy(self, nbytes: float) -> float:
         """Seconds to read and write ``nbytes`` once (a local boxing step: slice, zero, fill)."""
@@ -93,7 +99,8 @@ def _fingerprint(pl: Placement) -> str:
 
     cpu = platform.processor() or platform.machine()
     world = commlib.get_world_size()
-    return f"{platform.node()}|{cpu}|world {world}|mesh {pl.hierarchy}|threads {torch.get_num_threads()}"
+    threads = torch.get_num_threads()
+    return f"{platform.node()}|{cpu}|world {world}|mesh {pl.hierarchy}|threads {threads}|v{VERSION}"
 
 
 def _load(key: str) -> dict[str, Any] | None:
@@ -130,6 +137,7 @@ def fit(pl: Placement, largest: int = SIZES[-1], refresh: bool = False) -> Machi
         machine = Machine(key, _measure_comm(pl, sizes))
         machine.bandwidth = _slowest(_bandwidth())
         machine.op_overhead, machine.step_overhead, machine.param_overhead = _overheads(pl, machine)
+        machine.gather_overhead = _gather_overhead(pl, machine)
         machine.optimizer = {str(k): _optimizer(k) for k in (0, 1, 2)}
         save(machine)
         return machine
@@ -174,7 +182,11 @@ def _measure_comm(pl: Placement, sizes: list[int]) -> dict[str, list[tuple[int, 
 
 
 def _time_collective(kind: str, p: int, nbytes: int, group: Any) -> float:
-    """Median seconds of one collective with ``nbytes`` per rank's buffer (after two warm-up calls), slowest rank."""
+    """Seconds of one collective with ``nbytes`` per rank's buffer, slowest rank: the least of several runs after
+    two warm-up calls, on :func:`clock` (CPU seconds, as operators are timed: a waiting rank spins, so on an idle
+    machine they are the wall clock). On a shared machine a rank descheduled mid-call stretches the wall clock by
+    time slices (4 ms) that are not the collective's: a median of wall-clock runs priced a 4 KiB all_gather at
+    8 ms and a 16 MiB one at 5x its CPU seconds, so hand-written plans came out 3-18x over their step times."""
     n = max(p, nbytes // 4 // p * p)
     whole, piece = np.ones(n, np.float32), np.ones(n // p, np.float32)
     out = np.empty(n, np.float32)
@@ -185,12 +197,12 @@ def _time_collective(kind: str, p: int, nbytes: int, group: Any) -> float:
         "all_to_all": lambda: commlib.all_to_all_single(out, whole, group=group),
     }
     times = []
-    for _ in range(REPEATS + 2):
+    for _ in range((REPEATS if nbytes >= 1 << 24 else 3 * REPEATS) + 2):
         commlib.barrier(group=group)
-        start = time.perf_counter()
+        start = clock()
         run[kind]()
-        times.append(time.perf_counter() - start)
-    return _slowest(float(np.median(times[2:])), commlib.ReduceOp.MAX)
+        times.append(clock() - start)
+    return _slowest(min(times[2:]), commlib.ReduceOp.MAX)
 
 
 def _bandwidth() -> float:
@@ -238,8 +250,8 @@ def _op_overhead(pl: Placement) -> tuple[float, float]:
 
     chain = 16
     x = zeros(2 * len(pl.flat), 2, dtype=torch.float32, placement=pl, sbp=(split(0),) * pl.ndim).requires_grad_()
-    fwd, bwd = _median(_relus(x, chain), 7)
-    local, _ = _median(_relus(torch.zeros(2, 2, requires_grad=True), chain), 7)
+    fwd, bwd = _least(_relus(x, chain), 15)
+    local, _ = _least(_relus(torch.zeros(2, 2, requires_grad=True), chain), 7)
     fwd, bwd = max(0.0, fwd - local) / chain, max(0.0, bwd - engine()) / chain
     return _slowest(fwd, commlib.ReduceOp.MAX), _slowest(bwd, commlib.ReduceOp.MAX)
 
@@ -262,7 +274,7 @@ def _step_overhead(pl: Placement, machine: Machine) -> float:
         return clock() - start, 0.0
 
     raw = sum(machine.collective("all_gather", pl.hierarchy[a], 16) for a in range(pl.ndim))
-    step = max(0.0, _median(boxing, 5)[0] / chain - raw) / max(1, pl.ndim)
+    step = max(0.0, _least(boxing, 15)[0] / chain - raw) / max(1, pl.ndim)
     return _slowest(step, commlib.ReduceOp.MAX)
 
 
@@ -290,12 +302,42 @@ def _param_overhead(pl: Placement, op_overhead: tuple[float, float]) -> float:
     from globalview._tensor import to_global as make_global
 
     x = torch.zeros(2, 2)
-    local = _median(timer(stack(), x), 7)[0]
+    local = _least(timer(stack(), x), 15)[0]
     model = to_global(stack(), pl)
-    glob = _median(timer(model, make_global(x, pl, (split(0),) * pl.ndim)), 7)[0]
+    glob = _least(timer(model, make_global(x, pl, (split(0),) * pl.ndim)), 15)[0]
     ops = 2 * layers + 1  # linear and its bias's add per layer, the sum
     rest = glob - local - ops * (op_overhead[0] + op_overhead[1])
     return _slowest(max(0.0, rest) / (2 * layers), commlib.ReduceOp.MAX)
+
+
+def _gather_overhead(pl: Placement, machine: Machine) -> float:
+    """Seconds per gather of the weights plan beside its collective: a stack of tiny Linear layers fully sharded
+    (each weight gathered in forward and again in backward, each bias in forward; gradients bucketed) beside the
+    same stack data parallel, less the gathers' measured collectives."""
+    import torch
+
+    from globalview._tensor import to_global as make_global
+    from globalview.nn import to_global
+    from globalview.sbp import broadcast, split
+
+    layers, width = 16, 2 * len(pl.flat)
+    x = make_global(torch.zeros(2, width), pl, (split(0),) * pl.ndim)
+
+    def timer(sbp: Any) -> Callable[[], tuple[float, float]]:
+        model = to_global(torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))), pl, sbp)
+
+        def step() -> tuple[float, float]:
+            start = clock()
+            model(x).sum().backward()
+            return clock() - start, 0.0
+
+        return step
+
+    sharded = _least(timer((split(0),) * pl.ndim), 15)[0]
+    replicated = _least(timer((broadcast,) * pl.ndim), 15)[0]
+    gathers = 3 * layers - 1  # weights in forward and again in backward (not the first: its input needs none), biases
+    raw = sum(machine.collective("all_gather", p, 4.0 * width * width, boxing=False) for p in pl.hierarchy)
+    return _slowest(max(0.0, (sharded - replicated) / gathers - raw), commlib.ReduceOp.MAX)
 
 
 def _optimizer(states: int) -> tuple[float, float]:
@@ -319,8 +361,8 @@ def _optimizer(states: int) -> tuple[float, float]:
 
         return step
 
-    small = _median(timer(make([4] * 64)), 7)[0] / 64
-    large = _median(timer(make([1 << 22])), 5)[0]
+    small = _least(timer(make([4] * 64)), 7)[0] / 64
+    large = _least(timer(make([1 << 22])), 5)[0]
     per_param = _slowest(small, commlib.ReduceOp.MAX)
     per_byte = _slowest(max(0.0, large - per_param) / (4 << 22), commlib.ReduceOp.MAX)
     return per_param, per_byte
@@ -338,10 +380,13 @@ def engine() -> float:
         y.backward()
         return clock() - start, 0.0
 
-    return _median(once, 15)[0]
+    return _least(once, 15)[0]
 
 
-def _median(fn: Callable[[], tuple[float, float]], n: int) -> tuple[float, float]:
+def _least(fn: Callable[[], tuple[float, float]], n: int) -> tuple[float, float]:
+    """The least of ``n`` runs of ``fn`` (after one warm-up), per component: the machine's cost. On a shared
+    machine a run during which a rank was descheduled waits out its peer's time slice, spinning; a median of a
+    few runs kept that (a boxing step's overhead measured at 0.7 ms, its cost on an idle machine 0.1 ms)."""
     fn()
     runs = [fn() for _ in range(n)]
-    return float(np.median([r[0] for r in runs])), float(np.median([r[1] for r in runs]))
+    return min(r[0] for r in runs), min(r[1] for r in runs)

@@ -4,7 +4,10 @@ A plan gives every parameter a layout and every operator a signature. Its predic
 
 - each operator: its local forward and backward (timed at the local shapes the signature gives it,
   ``_optime``) and globalview's overhead per operator; the boxing of each input: forward, its adjoint in
-  backward when the input needs a gradient, and a released parameter gathered again for backward;
+  backward when the input needs a gradient, and a released parameter gathered again for backward. A
+  sharded parameter gathered whole (``S(0) -> B`` on one axis) is priced as the weights plan runs it
+  (``_weights``): its all_gather and the plan's measured overhead per gather, not a boxing step's, and its
+  gradient's reduce_scatter as its share of a bucket's;
 - each parameter: its gradient summed over its broadcast mesh axes (the bucketed all-reduce, copies in and
   out for the small ones) and the optimizer's pass over its local part.
 
@@ -32,6 +35,7 @@ from globalview._layout import block_shape
 from globalview._machine import Machine
 from globalview._plan import Plan, adjoint
 from globalview._trace import Node, Trace
+from globalview._weights import gathered_axis
 from globalview.sbp import SbpParallel, broadcast, split
 
 __all__ = ["OPT_PASSES", "Cand", "Pricer", "candidates", "param_layouts"]
@@ -140,6 +144,23 @@ class Pricer:
             total += self.machine.collective(s.kind, size, buffer)
         return total
 
+    def weights_gather(self, shape: tuple[int, ...], dtype: Any, p: Plan) -> float:
+        """Seconds of a sharded parameter's gather by the weights plan: the collective and the plan's own overhead
+        (its calls go to commlib directly, prefetched: not a boxing step's)."""
+        axis = gathered_axis(p)
+        size = self.pl.hierarchy[axis]
+        whole = self.nbytes(shape, p.dst[1], dtype)
+        return self.machine.collective("all_gather", size, whole, boxing=False) + self.machine.gather_overhead
+
+    def bucketed_scatter(self, shape: tuple[int, ...], dtype: Any, p: Plan) -> float:
+        """Seconds of a gathered parameter's gradient reduce_scatter in the weights plan's buckets: its share of a
+        bucket's collective (at a bucket's rate), and the copy into the bucket for the small ones."""
+        size = self.pl.hierarchy[gathered_axis(p)]
+        whole = self.nbytes(shape, p.dst[1], dtype)
+        m = self.machine
+        t = m.collective("reduce_scatter", size, BUCKET_BYTES, boxing=False) * whole / BUCKET_BYTES
+        return t + (2 * whole / m.bandwidth if whole < LONE_BYTES else 0.0)
+
     def edge(self, index: int, i: int, src: Layout, dst: Layout) -> Edge:
         """Input ``i`` of node ``index`` boxed from ``src`` to ``dst``: forward, backward, kept and transient bytes."""
         node = self.trace.nodes[index]
@@ -154,14 +175,16 @@ class Pricer:
         if _splits_into_partial((src,), (dst,)):
             return Edge(math.inf, 0.0, 0.0, 0.0)
         p = boxing_plan(shape, dtype, self.pl, src, dst)
-        t, moved = self.plan_time(p), p.nbytes
+        weights = param and gathered_axis(p) is not None  # the weights plan runs it (_weights), not boxing
+        gather = self.weights_gather(shape, dtype, p) if weights else self.plan_time(p)
+        t, moved = gather, p.nbytes
         if grad and p.steps:
-            t += sum(self.plan_time(q) for q in adjoint(p))
+            t += self.bucketed_scatter(shape, dtype, p) if weights else sum(self.plan_time(q) for q in adjoint(p))
             moved += _adjoint_bytes(p)
         released = param and _gathers(p) and others
         mem = 0.0
         if released and saved:
-            t, moved = t + self.plan_time(p), moved + p.nbytes
+            t, moved = t + gather, moved + p.nbytes
         elif saved and p.steps:
             mem = self.nbytes(shape, dst, dtype)
         elif saved and not param and owns:
@@ -225,7 +248,7 @@ class Pricer:
         axes = self.reduced_axes(layout)
         if axes:
             group = math.prod(self.pl.hierarchy[a] for a in axes)
-            t += m.collective("all_reduce", group, BUCKET_BYTES) * size / BUCKET_BYTES
+            t += m.collective("all_reduce", group, BUCKET_BYTES, boxing=False) * size / BUCKET_BYTES
             if size < LONE_BYTES:
                 t += 2 * size / m.bandwidth
         persistent = size * (1 + self.states + (1 if self.bucketed(layout) else 0))

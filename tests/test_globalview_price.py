@@ -1,0 +1,70 @@
+"""The automatic planner's prices, without processes: a sharded parameter's gather priced as the weights plan
+runs it (not as boxing steps), a collective with and without a boxing step's overhead, and the machine's
+timings taken as the least of their runs (other jobs on a shared machine only ever add time)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from globalview import _machine
+from globalview._machine import Machine
+from globalview._placement import placement
+from globalview._price import BUCKET_BYTES, LONE_BYTES, Pricer
+from globalview._trace import Trace
+from globalview.sbp import broadcast, split
+
+STEP = 0.5  # a boxing step's overhead, seconds: large, so that pricing it where it does not run shows
+GATHER = 1e-4  # the weights plan's overhead per gather
+
+
+def _machine_for_test() -> Machine:
+    line = [(1 << 12, 1e-5), (1 << 27, 1e-2)]
+    comm = {f"{k}/2": line for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
+    return Machine("test", comm, step_overhead=STEP, gather_overhead=GATHER, bandwidth=1e10)
+
+
+def _pricer() -> Pricer:
+    return Pricer(Trace(placement("cpu", [0, 1]), [], {}, []), _machine_for_test(), 2)
+
+
+def test_collective_adds_the_boxing_overhead_only_for_boxing() -> None:
+    m = _machine_for_test()
+    raw = m.collective("all_gather", 2, 1 << 20, boxing=False)
+    assert 1e-5 < raw < 1e-2
+    assert m.collective("all_gather", 2, 1 << 20) == pytest.approx(raw + STEP)
+    assert m.collective("all_gather", 1, 1 << 20) == 0.0
+
+
+@pytest.mark.parametrize("rows", [128, 2048])
+def test_a_sharded_weight_is_priced_as_the_weights_plan_runs_it(rows: int) -> None:
+    """Gathered in forward and again in backward (collective + the plan's overhead), its gradient reduce_scattered
+    at a bucket's rate (copied into the bucket when small): no boxing step's overhead anywhere."""
+    p, m = _pricer(), _machine_for_test()
+    shape, dtype = (rows, 128), np.dtype(np.float32)
+    whole = rows * 128 * 4
+    # a weight (a parameter, needs a gradient, saved for another input's gradient), split(0) -> broadcast
+    edge = p._edge((shape, dtype, True, True, True, True, False), (split(0),), (broadcast,))
+    gather = m.collective("all_gather", 2, whole, boxing=False) + GATHER
+    scatter = m.collective("reduce_scatter", 2, BUCKET_BYTES, boxing=False) * whole / BUCKET_BYTES
+    scatter += 2 * whole / m.bandwidth if whole < LONE_BYTES else 0.0
+    assert edge.time == pytest.approx(2 * gather + scatter)
+    assert edge.time < STEP
+    # the same gather of an activation is a boxing step (and its adjoint another)
+    act = p._edge((shape, dtype, True, False, True, True, False), (split(0),), (broadcast,))
+    assert act.time > 2 * STEP
+
+
+def test_a_weight_not_needed_again_in_backward_is_gathered_once() -> None:
+    """A first layer's weight (no other input needs a gradient) is not gathered again in backward."""
+    p, m = _pricer(), _machine_for_test()
+    shape, dtype = (128, 128), np.dtype(np.float32)
+    edge = p._edge((shape, dtype, True, True, True, False, False), (split(0),), (broadcast,))
+    gather = m.collective("all_gather", 2, 128 * 128 * 4, boxing=False) + GATHER
+    assert gather < edge.time < 2 * gather
+
+
+def test_timings_are_the_least_of_their_runs() -> None:
+    """A run slowed by another job (a rank descheduled mid-call) does not count: the least run is the machine's."""
+    runs = iter([(9.0, 9.0), (3.0, 5.0), (7.0, 1.0), (4.0, 2.0)])
+    assert _machine._least(lambda: next(runs), 3) == (3.0, 1.0)  # the first run is a warm-up
