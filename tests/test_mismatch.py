@@ -186,6 +186,9 @@ def test_every_mismatched_program_ends_in_an_error_naming_the_call(n: int, backe
     assert silent == [], f"scenarios that ended without an error (exit 0): {silent}"
     assert unnamed == [], unnamed
     assert late == [], late
+    # a rank that meets a peer's abort (nccl) names the peer that gave up and why, not only the engine's error
+    aborted = [sc for sc, ranks in verdicts for t, m, _ in ranks if "aborted its communicator" in m]
+    assert aborted == [], aborted
     # a message of another dtype of the same byte count is a mismatch, named on the receiving rank
     for (kind, what, nbytes), ranks in verdicts:
         if (kind, what) == ("send_recv", "dtype same bytes"):
