@@ -81,7 +81,7 @@ ROWS: dict[str, dict[str, int | range]] = {
     # per model "## gpt (2 ranks, smoke): 8 samples per rank", a row per plan, the plan under a memory budget
     "gv_auto.py": {rf"## {model} \(2 ranks, smoke\): .*": 1 for model in GV_MODELS}
     | {rf"{plan} +{NUM} .*": SOME for plan in GV_PLANS}
-    | {"budget .*": len(GV_MODELS)},
+    | {"budget .*": len(GV_MODELS), "# targets: .*": len(GV_MODELS)},
 }
 TORCH = {"allreduce_vs_mpi4py.py", "compare.py", "ddp_step.py", "torch_backend.py", "gv_train.py", "gv_auto.py"}
 JSON = {"allreduce_vs_mpi4py.py", "collectives_vs_mpi4py.py", "compare.py", "ddp_step.py"}  # take --json FILE
