@@ -27,7 +27,8 @@ every ``--snapshot-every`` steps, a death ends the job, the launcher restarts ev
 the snapshot (``benchmarks/recovery.py`` times both).
 
 Each rank prints ``RESULT {json}`` at the end: its rank and the world size, the final loss on a fixed validation
-set, a checksum of its weights (every rank's is the same), the run's seconds, the recoveries it went through.
+set, a checksum of its weights (every rank's is the same), the run's seconds and its training loop's, the
+recoveries it went through.
 """
 
 from __future__ import annotations
@@ -116,12 +117,13 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     start = time.monotonic()
-    commlib.init_process_group()
-    joined = bool(commlib.setting("COMMLIB_JOIN"))
-    first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not joined
+    # the model first: a process that joins later (a spare waits in init_process_group) is then ready at once
     torch.manual_seed(args.seed)
     net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    commlib.init_process_group()
+    joined = bool(commlib.setting("COMMLIB_JOIN"))
+    first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not joined
     step, events, size = 0, [], commlib.get_world_size()
     if args.recover == "restart" and args.snapshot is not None:
         step = load(args.snapshot, net, optimizer)
@@ -131,6 +133,7 @@ def main() -> None:
     if joined:  # a newcomer: the members took it in (grow_group) and now send their state
         step = ddp.broadcast_state(model, optimizer, extra=step)
         events.append({"what": "joined", "step": step, "t": time.monotonic() - start})
+    loop = time.monotonic()
     while step < args.steps:
         try:
             if args.recover == "shrink" and step >= args.admit_from and commlib.get_world_size() < size:
@@ -167,6 +170,7 @@ def main() -> None:
     result = {
         "rank": commlib.get_rank(), "world_size": commlib.get_world_size(), "loss": validation_loss(net, args.seed),
         "checksum": checksum(net), "seconds": round(time.monotonic() - start, 3), "events": events,
+        "train_seconds": round(time.monotonic() - loop, 3),  # this process's steps (a newcomer's: from its join)
     }  # fmt: skip
     print("RESULT " + json.dumps(result), flush=True)
     commlib.destroy_process_group()

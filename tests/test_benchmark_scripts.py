@@ -74,7 +74,8 @@ ROWS: dict[str, dict[str, int | range]] = {
     # "commlib shrink + warm spare, killed   41.20    1.93    0.2485  yes" (wall, lost, loss, same weights)
     "recovery.py": {rf" +3 +{NUM} +{NUM} +{NUM}  1/1": 1}
     | {rf"commlib shrink \+ warm spare, {run} +{NUM} +(-|{NUM}) +{NUM}  yes": 1 for run in ("uninterrupted", "killed")}
-    | {rf"# commlib shrink \+ warm spare: final loss killed/uninterrupted = {NUM}x": 1},
+    | {rf"# commlib shrink \+ warm spare: final loss killed/uninterrupted = {NUM}x; walls u {NUM}, k {NUM}": 1}
+    | {rf"# commlib shrink \+ warm spare: training loop {NUM} s uninterrupted, {NUM} s killed: -?{NUM} s lost": 1},
     # The globalview benchmarks (their smoke modes are their authors'): every method, every fully sharded batch
     "gv_train.py": {rf"{name} +{NUM} +{NUM} +{NUM}x +{NUM}x": 1 for name in GV_TRAIN}
     | {"# fully sharded .*": 1, rf"\d+ +{NUM} +{NUM} +{NUM}x .*": SOME},
