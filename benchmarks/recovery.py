@@ -223,8 +223,8 @@ def part2(steps: int, kill_at: int, admit_from: int, launchers: tuple[str, ...] 
     for mine in ("commlib", "spare"):
         for how, key in (("wall", mine), ("training loop", mine + " loop")):
             if key in lost and "torchrun" in lost:
-                ratio = lost["torchrun"] / max(lost[key], 1e-3)
-                print(f"# time lost: torchrun restart (wall) / {names[mine]} ({how}) = {ratio:.1f}x")
+                said = f"{lost['torchrun'] / lost[key]:.1f}x" if lost[key] > 0 else "- (nothing lost beyond the noise)"
+                print(f"# time lost: torchrun restart (wall) / {names[mine]} ({how}) = {said}")
 
 
 def main() -> None:
