@@ -24,6 +24,7 @@ from typing import Any
 
 # The package (imported anyway by "-m commlib.testing._worker") owns the spec dir
 # layout; it must not import this module, or runpy warns about a double import.
+from commlib.launch._mpiexec import pid_alive
 from commlib.testing import (
     _ARGS_FILE,
     _ERROR,
@@ -189,16 +190,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class _Bell:
     """This rank's FIFO in a warm job's directory: the parent writes a byte when there is something new."""
 
@@ -229,7 +220,7 @@ class _Bell:
                         pass
                 except BlockingIOError:
                     pass
-            elif not _alive(self.parent):
+            elif not pid_alive(self.parent):  # a zombie parent is gone too
                 return None
 
 
