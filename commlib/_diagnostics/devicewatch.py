@@ -112,9 +112,9 @@ def _look(g: Any) -> None:
     notice = peer_gave_up(g)
     if notice is not None and g.broken is None:
         what = g.what("its calls", 0)
-        err = GroupBrokenError(verdicts.gave_up(what, g.ranks[notice.peer], notice.reason or ""), peer=notice.peer)
-        err.context = what
-        g.mark_broken(err)
+        gone = GroupBrokenError(verdicts.gave_up(what, g.ranks[notice.peer], notice.reason or ""), peer=notice.peer)
+        gone.context = what
+        g.mark_broken(gone)
         return
     for p in range(g.size):
         if p == g.rank:
