@@ -106,6 +106,8 @@ def globalize(
     for name, t, is_param in _entries(module):
         g = _to_global(t.detach(), placement, (broadcast,) * placement.ndim).to_global(sbp=layouts[name])
         local = g.to_local()
+        if not all(x.is_broadcast for x in layouts[name]):
+            local = local.clone()
         new = torch.nn.Parameter(local, requires_grad=t.requires_grad) if is_param else local
         setattr(new, "_gv_layout", (g.shape, g._dtype, placement, layouts[name]))  # noqa: B010 - a tag on a tensor
         _set(module, name, new, is_param)
