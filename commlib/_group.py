@@ -391,7 +391,9 @@ class ProcessGroup:
             _ring.end(slot, self, seq, ok=False)
         device = self.backend is not None and self.backend.digests() is not None
         if type(err) is CommError and self.broken is None and device:  # did a peer fence the group off, saying why?
-            err = devicewatch.peer_gave_up(self) or err  # (NCCL tells no peer of an abort: the store does)
+            notice = devicewatch.peer_gave_up(self)  # (NCCL tells no peer of an abort: the store does)
+            if notice is not None:  # the digests' own difference if this rank sees one, else the peer's words
+                err = devicewatch.compare(self, 0.0) or notice
         if type(err) is CommError and self.broken is None:  # the engine failed: did a member die (the lifelines)?
             err = dead_members(self, _DEATH_GRACE) or err
         if isinstance(err, RankFailedError) and self.broken is None:

@@ -10,6 +10,7 @@ as plain torch tensors (each made the rank's part of a global batch, ``split(0)`
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,8 +103,12 @@ class AutoPlan:
         )
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as JSON (every rank may call it; it writes the same file)."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        """Write the plan as JSON (every rank may call it; it writes the same file). The file is replaced whole
+        (written beside it, then renamed), so a rank that reads it while another writes it reads a whole plan."""
+        path = Path(path)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(self.to_json(), indent=1))
+        os.replace(partial, path)
 
     @classmethod
     def load(cls, path: str | Path) -> AutoPlan:

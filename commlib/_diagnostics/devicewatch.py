@@ -109,13 +109,19 @@ def _look(g: Any) -> None:
     if _state.published.get(key) != text:
         _state.published[key] = text
         jobstore.request("set", key, text)
-    notice = peer_gave_up(g)
-    if notice is not None and g.broken is None:
-        what = g.what("its calls", 0)
-        gone = GroupBrokenError(verdicts.gave_up(what, g.ranks[notice.peer], notice.reason or ""), peer=notice.peer)
-        gone.context = what
-        g.mark_broken(gone)
+    if _differs(g, mine):
         return
+    notice = peer_gave_up(g)  # no difference seen, but a peer fenced the group off: say why
+    if notice is None or g.broken is not None or _differs(g, mine):  # (its digests came before its notice)
+        return
+    what = g.what("its calls", 0)
+    gone = GroupBrokenError(verdicts.gave_up(what, g.ranks[notice.peer], notice.reason or ""), peer=notice.peer)
+    gone.context = what
+    g.mark_broken(gone)
+
+
+def _differs(g: Any, mine: dict) -> bool:
+    """Fence ``g`` off with ``CollectiveMismatchError`` where a peer's published digests differ from ``mine``."""
     for p in range(g.size):
         if p == g.rank:
             continue
@@ -136,7 +142,8 @@ def _look(g: Any) -> None:
             )
             err.context = g.what(f"call #{seq}", 0)
             g.mark_broken(err)
-            return
+            return True
+    return False
 
 
 def compare(g: Any, wait: float = 1.0) -> CollectiveMismatchError | GroupBrokenError | None:
@@ -152,9 +159,6 @@ def compare(g: Any, wait: float = 1.0) -> CollectiveMismatchError | GroupBrokenE
     jobstore.request("set", _key(g, g.rank), text)
     deadline, pending = time.monotonic() + wait, [p for p in range(g.size) if p != g.rank]
     while pending and jobstore.dead() is None:
-        notice = peer_gave_up(g)
-        if notice is not None:
-            return notice
         for p in list(pending):
             raw = jobstore.read(_key(g, p))
             theirs = json.loads(raw) if raw is not None else None
@@ -165,6 +169,9 @@ def compare(g: Any, wait: float = 1.0) -> CollectiveMismatchError | GroupBrokenE
             if found is not None:
                 _, ours, other = found
                 return CollectiveMismatchError(other, peer=p, theirs=f"the digest of {other}", mine=ours)
+        notice = peer_gave_up(g) if pending else None  # a peer that fenced the group off may never fold more
+        if notice is not None:
+            return notice
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)

@@ -86,10 +86,11 @@ def _judge(w: _waits.Waiting) -> None:
     g = w.group
     mine = g.backend.digests() if g.backend is not None else None
     if mine is not None:
+        _compare_digests(w, mine.summary())
         notice = devicewatch.peer_gave_up(g)  # a device communicator's peer fenced it off (NCCL tells no one)
         if notice is not None:
+            _compare_digests(w, mine.summary())  # its digests came before its notice: a difference, if any, first
             raise notice
-        _compare_digests(w, mine.summary())
     if w.seq == 0:  # a send or a receive: does its peer wait in a collective this rank has not reached?
         if w.peer < 0 or not w.nth or g.tagged:
             return
