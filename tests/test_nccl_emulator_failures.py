@@ -194,7 +194,11 @@ def test_a_killed_rank_breaks_every_survivor_at_once(tmp_path: Path, state: str)
     assert results[3] == -signal.SIGKILL
     for rank, got in enumerate(results[:3]):
         assert got["status"] == REMOTE_ERROR, (rank, got)
-        assert "rank 3 of this communicator: connection closed (process died?)" in got["message"], (rank, got)
+        said = got["message"]
+        # rank 0, waiting on rank 1 only, may hear rank 1 leave (it saw the death and destroyed its communicator)
+        # before its own link to rank 3 reports the death: seen once under load; either way it ends at once
+        left = rank == 0 and state != "in an all-reduce" and "rank 1 of this communicator: destroyed" in said
+        assert left or "rank 3 of this communicator: connection closed (process died?)" in said, (rank, got)
         assert got["noticed"] < DETECTED_WITHIN and got["event"] < DETECTED_WITHIN, (rank, got)
         assert got["later"] == REMOTE_ERROR and got["destroy"] < 1.0, (rank, got)
 
