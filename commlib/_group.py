@@ -42,14 +42,22 @@ from commlib.errors import (
 __all__ = ["ProcessGroup", "Work", "as_seconds"]
 
 
-def _no_deaths(group: Any, wait: float) -> RankFailedError | None:
+def _no_deaths(group: Any, wait: float, look: Any = None) -> CommError | None:
     return None
 
 
-#: ``dead_members(group, wait)``: the ``RankFailedError`` of ``group`` when a member died, waiting up to ``wait``
-#: s for the lifelines to say so (an engine may see a death first); None when none did (``commlib._recovery``)
-dead_members: Callable[[Any, float], RankFailedError | None] = _no_deaths
+#: ``dead_members(group, wait, look)``: the ``RankFailedError`` of ``group`` when a member died, waiting up to
+#: ``wait`` s for the lifelines to say so (an engine may see a death first); meanwhile ``look(group)`` every 50 ms
+#: and its error, if it finds one (what else explains the engine's failure); None when neither did
+#: (``commlib._recovery``)
+dead_members: Callable[[Any, float, Any], CommError | None] = _no_deaths
 _DEATH_GRACE = 0.5
+
+
+def _digest_difference(group: Any) -> CommError | None:
+    """The first call whose digest a peer published differs from this rank's (publishing this rank's), or None."""
+    found = devicewatch.compare(group, 0.0)
+    return found if isinstance(found, CollectiveMismatchError) else None
 
 _ring = _flight.ring
 _now, _starts, _ends, _slots = _flight.now, _ring.starts, _ring.ends, _ring.slots  # hot path: globals
@@ -395,7 +403,8 @@ class ProcessGroup:
             if notice is not None:  # the digests' own difference if this rank sees one, else the peer's words
                 err = devicewatch.compare(self, 0.0) or notice
         if type(err) is CommError and self.broken is None:  # the engine failed: did a member die (the lifelines)?
-            err = dead_members(self, _DEATH_GRACE) or err
+            # (or, meanwhile, do the digests the peers published differ from this rank's: then no need to wait)
+            err = dead_members(self, _DEATH_GRACE, _digest_difference if device else None) or err
         if isinstance(err, RankFailedError) and self.broken is None:
             self.mark_failed(err)
         if isinstance(self.broken, RankFailedError):

@@ -161,16 +161,31 @@ def _changed(peer_id: int, what: str, how: str) -> None:
         g.mark_failed(RankFailedError(detail, failed_ranks=failed, global_ranks=[g.ranks[r] for r in failed]))
 
 
-def _dead_members(g: ProcessGroup, wait: float) -> RankFailedError | None:
+_CALM = 0.02  # an engine's error: after this, members on this host whose lifelines are open are not dead
+
+
+def _dead_members(g: ProcessGroup, wait: float, look: Any = None) -> CommError | None:
     """``g``'s RankFailedError once the lifelines say a member died, waiting up to ``wait`` s (an engine, such as
-    NCCL, may report a dead peer before its lifeline's end is read)."""
-    if lifelines.current() is None:
+    NCCL, may report a dead peer before its lifeline's end is read); meanwhile, every 50 ms, ``look(g)``'s error
+    if it finds one (ranks whose calls differ need no wait for a death). None at once (after :data:`_CALM` s)
+    when every member is on this host with its lifeline open: none died."""
+    mesh = lifelines.current()
+    if mesh is None:
         return None
-    deadline = time.monotonic() + wait
+    ids = _state.ids
+    members = [ids[r] if r < len(ids) else -1 for r in g.ranks]
+    now = time.monotonic()
+    deadline, look_at, calm_at = now + wait, now, now + _CALM
     while not isinstance(g.broken, RankFailedError):
-        if time.monotonic() >= deadline:
+        if look is not None and now >= look_at:
+            found = look(g)
+            if found is not None:
+                return found
+            look_at = now + 0.05
+        if now >= deadline or (now >= calm_at and mesh.open_here(members)):
             return None
         time.sleep(0.005)
+        now = time.monotonic()
     return g.broken
 
 

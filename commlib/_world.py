@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import sys
@@ -192,7 +193,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     error = _close_all() if everything else None
     targets = list(_state.groups) if group is None else [group]
     for g in targets:
-        if g.backend is not None and g.broken is None and g is not _state.world:
+        if g.backend is not None and g.broken is None and (g is not _state.world or g.backend.goodbye):
             g.backend.close()
         g.backend, g.ready = None, None
         if g in _state.groups:
@@ -255,6 +256,12 @@ def _close_at_exit() -> None:
         return
     error = _close_all()
     if error is None:
+        closed: set[int] = set()
+        for g in _state.groups:  # communicators whose peers must read this rank's end as a goodbye, not a death
+            if g.backend is not None and g.broken is None and g.backend.goodbye and id(g.backend) not in closed:
+                closed.add(id(g.backend))
+                with contextlib.suppress(Exception):
+                    g.backend.close()
         _recovery_stop()  # a goodbye on the lifelines: the others see this rank left, not died
         return
     sys.stdout.flush()

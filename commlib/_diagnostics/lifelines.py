@@ -43,16 +43,22 @@ def _keepalive(sock: socket.socket) -> None:
     for a peer on this host: its death closes the connection (its kernel is ours), and on a machine loaded
     past its cores a late probe must not make a live process dead."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    with contextlib.suppress(OSError, ValueError):
-        peer, mine = sock.getpeername()[0], sock.getsockname()[0]
-        if peer == mine or ipaddress.ip_address(peer).is_loopback:
-            return
+    if _same_host(sock):
+        return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", IDLE), ("TCP_KEEPINTVL", PROBE), ("TCP_KEEPCNT", 1)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     if hasattr(socket, "TCP_USER_TIMEOUT"):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, (IDLE + PROBE) * 1000)
+
+
+def _same_host(sock: socket.socket) -> bool:
+    """Whether ``sock`` connects two processes of this host (False when that cannot be told)."""
+    with contextlib.suppress(OSError, ValueError):
+        peer, mine = sock.getpeername()[0], sock.getsockname()[0]
+        return peer == mine or ipaddress.ip_address(peer).is_loopback
+    return False
 
 
 def _frame(msg: dict[str, Any]) -> bytes:
@@ -118,6 +124,25 @@ class Lifelines:
 
     def alive(self, peer_id: int) -> bool:
         return peer_id == self.me or (peer_id in self.peers and peer_id not in self.ended)
+
+    def open_here(self, ids: list[int]) -> bool:
+        """Whether every process of ``ids`` (but this one) is a peer on this host whose connection is open with
+        nothing unread: had it died, its kernel (ours) would have closed the connection already, so no death of
+        theirs is still to be read."""
+        for i in ids:
+            peer = self.peers.get(i) if i != self.me else None
+            if i == self.me:
+                continue
+            if peer is None or i in self.ended or not _same_host(peer.sock):
+                return False
+            try:
+                peer.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                return False  # unread data (the thread's to read) or the end of the stream (b"")
+            except BlockingIOError:
+                continue
+            except OSError:
+                return False
+        return True
 
     def failed(self) -> dict[int, tuple[str, str, float]]:
         """The processes that died or left so far: id -> (what, how, when)."""

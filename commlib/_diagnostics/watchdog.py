@@ -1,9 +1,10 @@
 """The slow path of every wait: say where this rank waits, judge what the others say, fail fast on a failure.
 
-``backends.base.poll`` calls :func:`watchdog` once a wait has lasted 0.25 s, then every half second; torch's
+``backends.base.poll`` calls :func:`watchdog` once a wait has lasted 0.05 s, then at 0.1, 0.2, 0.4, 0.8 s and
+every half second from then on (``base.watch_next``); torch's
 Work calls it from its own loop (``ProcessGroup`` waits and torch's alike). It reads where this thread waits
 (``_diagnostics.waits``, entered by the group layer's one wait path), publishes it (``_diagnostics.progress``)
-and, from 0.5 s on, reads where the others wait: when no call can ever complete (every rank in call #k but
+and, from 0.1 s on, reads where the others wait: when no call can ever complete (every rank in call #k but
 their calls differ; a send or receive whose peer waits in a collective this rank has not reached), it raises
 ``CollectiveMismatchError`` now instead of at the timeout. A rank whose exception was uncaught reports it
 through the store before its job ends (``_diagnostics.abort``): the others' waits end with
@@ -27,7 +28,7 @@ __all__ = ["FAILED", "REPORTED", "arrival", "setup", "watchdog"]
 FAILED = "commlib/mon/failed"  # the first failure a rank reported (its words)
 REPORTED = "commlib/mon/reported"  # how many ranks saw it
 _GRACE = 1.0  # after a timeout, how long (at most a quarter of the timeout) late ranks get to publish
-_JUDGE_AFTER = 0.5  # seconds a wait lasts before the others' progress is read to judge it
+_JUDGE_AFTER = 0.1  # seconds a wait lasts before the others' progress is read to judge it (its 2nd look)
 
 
 class _State:

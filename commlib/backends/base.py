@@ -46,6 +46,8 @@ from commlib.errors import CommError, CommTimeoutError
 __all__ = [
     "DONE",
     "SLOW_BYTES_PER_S",
+    "WATCH_EVERY",
+    "WATCH_FIRST",
     "AllOf",
     "Backend",
     "Chained",
@@ -55,12 +57,20 @@ __all__ = [
     "MeetingTimeout",
     "ReadyOp",
     "poll",
+    "watch_next",
 ]
 
 _SPIN = 32  # polls between clock reads: a clock read costs about as much as a poll
 _YIELD_AFTER = 0.0005  # seconds of pure spinning before yielding the core (ranks may outnumber cores)
 _SLEEP_AFTER = 0.05  # seconds before backing off to short sleeps (long waits must not burn a core)
-_WATCH_AFTER, _WATCH_EVERY = 0.25, 0.5  # when and how often a long wait calls the watchdog
+WATCH_FIRST, WATCH_EVERY = 0.05, 0.5  # a long wait calls the watchdog first after this, then (see watch_next)
+
+
+def watch_next(waited: float) -> float:
+    """When a wait that has lasted ``waited`` s calls its watchdog next: at twice that, at most WATCH_EVERY later
+    (0.05, 0.1, 0.2, 0.4, 0.8, 1.3, ... s: a mismatch is named within a few tenths of a second, and a wait
+    that lasts reads the store at most twice a second)."""
+    return waited + min(max(waited, WATCH_FIRST), WATCH_EVERY)
 
 #: Called as ``watchdog(seconds_waited)`` by long waits (commlib's slow path, ``_diagnostics.watchdog``, sets it):
 #: it may publish where this rank waits and raise ``CommError`` when no call can complete or another rank has
@@ -153,10 +163,10 @@ def poll(
     yields the core, then sleeps briefly, so a long wait neither adds latency to
     fast operations nor starves a peer rank sharing the core. ``busy``: seconds
     the data may take to move (see :data:`SLOW_BYTES_PER_S`); no sleeps before
-    then. Past 0.25 s it also calls ``slow(waited)`` (the operation's own slow-path check, which may raise)
-    and :data:`watchdog`, then every half second.
+    then. Past 0.05 s it also calls ``slow(waited)`` (the operation's own slow-path check, which may raise)
+    and :data:`watchdog`, then again at the times :func:`watch_next` gives.
     """
-    start, watch_at = None, _WATCH_AFTER
+    start, watch_at = None, WATCH_FIRST
     sleep_after = busy if busy > _SLEEP_AFTER else _SLEEP_AFTER
     while True:
         for _ in range(_SPIN):
@@ -174,7 +184,7 @@ def poll(
         elif waited > _YIELD_AFTER:
             os.sched_yield()
         if waited > watch_at:
-            watch_at = waited + _WATCH_EVERY
+            watch_at = watch_next(waited)
             if slow is not None:
                 slow(waited)
             if watchdog is not None:
@@ -320,6 +330,11 @@ class Backend(abc.ABC):
     #: ``terminate()`` ends every process of the job at once (MPI_Abort), for a rank whose exception was
     #: uncaught; None: the engine cannot, and the launcher ends the job when this process exits
     terminate: Callable[[], None] | None = None
+    #: :meth:`close` tells the peers this rank is done, and must run for the default group too (at
+    #: ``destroy_process_group`` and at the program's end): a communicator left open ends, when the process
+    #: exits, as a death does (NCCL's links), failing a peer still finishing its last call; False: the engine
+    #: ends it (MPI_Finalize)
+    goodbye: ClassVar[bool] = False
 
     # -- arrays ---------------------------------------------------------------------------------
     def array(self, obj: object, ctx: Any, call: str, arg: str, writable: bool = True) -> Any:

@@ -180,6 +180,7 @@ class NcclBackend(Backend):
 
     name = "nccl"
     any_source = False  # NCCL receives only from a named peer
+    goodbye = True  # ncclCommDestroy at the end (an emulated peer still in its last call reads it as a death)
     ordered_p2p = True  # one stream: a rank's sends and receives run in the order they were posted
     max_tag = 2**31 - 3  # NCCL has no tags: accepted and ignored, as by torch's nccl backend
 

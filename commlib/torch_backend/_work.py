@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import commlib
+from commlib.backends.base import WATCH_FIRST, watch_next
 
 __all__ = ["LOCK", "DoneWork", "TorchWork", "completed", "submit"]
 
@@ -42,7 +43,6 @@ _BUSY_S = 0.05
 _SLOW_BYTES_PER_S = 100e6
 _BURST_S = 0.0005  # such a burst of tests, in seconds (it holds LOCK: new calls wait at most this long)
 _LAST_LOOK_S = 0.001  # past its deadline, a Work gets this last wait in commlib, which then raises its timeout error
-_WATCH_AFTER_S, _WATCH_EVERY_S = 0.25, 0.5  # commlib's slow path of a wait (backends.base.poll's): when, how often
 
 
 class TorchWork(dist.Work):
@@ -73,7 +73,7 @@ class TorchWork(dist.Work):
         self._queue: object = None  # collectives: their group (complete in issue order); None: independent
         self._busy = _BUSY_S + _nbytes(result) / _SLOW_BYTES_PER_S  # seconds it may keep moving data (_BUSY_S)
         self._started = time.monotonic()
-        self._watch_at = _WATCH_AFTER_S  # seconds after the start when commlib's slow path looks next
+        self._watch_at = WATCH_FIRST  # seconds after the start when commlib's slow path looks next
 
     def __repr__(self) -> str:
         return f"<commlib TorchWork {self._call} {'completed' if self._done.is_set() else 'pending'}>"
@@ -94,7 +94,7 @@ class TorchWork(dist.Work):
                 if self._works and now > self._deadline:
                     self._expire()
                 if self._works and (waited := now - self._started) > self._watch_at:
-                    self._watch_at = waited + _WATCH_EVERY_S
+                    self._watch_at = watch_next(waited)
                     self._works[0].watch(waited)  # commlib's slow path: publish, judge, fail fast (may raise)
                 if self._works:
                     return False
