@@ -59,6 +59,7 @@ def _digest_difference(group: Any) -> CommError | None:
     found = devicewatch.compare(group, 0.0)
     return found if isinstance(found, CollectiveMismatchError) else None
 
+
 _ring = _flight.ring
 _now, _starts, _ends, _slots = _flight.now, _ring.starts, _ring.ends, _ring.slots  # hot path: globals
 _Waiting = _waits.Waiting

@@ -7,6 +7,7 @@ a core; either way the job's watchdog is asked from 50 ms on, then at about twic
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -65,6 +66,6 @@ def test_the_watchdog_is_asked_from_50_ms_then_less_often_whether_napping_or_spi
     slow: list[float] = []  # the operation's own slow-path check (a peer's notice that it gave up), asked first
     assert base.poll(_after(1.0), timeout=5.0, busy=busy, slow=slow.append)
     assert asked and 0.05 <= asked[0] < 0.1, asked  # first asked at 0.05 s, then at about twice the time waited
-    assert all(b - a >= min(a, base.WATCH_EVERY) for a, b in zip(asked, asked[1:])), asked
+    assert all(b - a >= min(a, base.WATCH_EVERY) for a, b in itertools.pairwise(asked)), asked
     assert 3 <= len(asked) <= 5, asked  # 0.05, 0.1, 0.2, 0.4, 0.8 (a loaded machine may skip some)
     assert slow == asked, (slow, asked)

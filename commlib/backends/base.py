@@ -72,6 +72,7 @@ def watch_next(waited: float) -> float:
     that lasts reads the store at most twice a second)."""
     return waited + min(max(waited, WATCH_FIRST), WATCH_EVERY)
 
+
 #: Called as ``watchdog(seconds_waited)`` by long waits (commlib's slow path, ``_diagnostics.watchdog``, sets it):
 #: it may publish where this rank waits and raise ``CommError`` when no call can complete or another rank has
 #: reported a failure.
