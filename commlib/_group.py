@@ -29,7 +29,7 @@ from commlib._diagnostics import waits as _waits
 from commlib._timeouts import as_seconds
 from commlib.arrays import host_array
 from commlib.backends._call import Call
-from commlib.backends.base import Backend, Chained, Handle, ReadyOp
+from commlib.backends.base import WATCH_FIRST, Backend, Chained, Handle, ReadyOp, watch_next
 from commlib.errors import (
     CollectiveMismatchError,
     CommError,
@@ -572,6 +572,9 @@ class Work:
 
     __slots__ = ("call", "desc", "done", "group", "handle", "index", "ordered", "peer", "receive", "seq", "slot")
 
+    #: seconds a wait for a Work lasts before its first :meth:`watch` (another loop's wait: torch's Work)
+    FIRST_LOOK = WATCH_FIRST
+
     def __init__(
         self,
         group: ProcessGroup,
@@ -639,21 +642,23 @@ class Work:
             self.done = group.test_upto(self, seconds) if self.ordered else group.complete_if_done(self, seconds)
         return self.done
 
-    def watch(self, waited: float) -> None:
+    def watch(self, waited: float) -> float:
         """The slow path of a wait for this Work that another loop drives (torch's Work, its progress thread):
         say where this rank waits, and raise as a wait of commlib's would (the group fenced off) when no call
-        can complete or a peer failed. ``waited``: seconds waited so far."""
+        can complete or a peer failed. ``waited``: seconds waited so far (first: :attr:`FIRST_LOOK`); returns
+        the seconds waited at which to watch next (as commlib's own waits do)."""
         from commlib.backends import base
 
         group = self.group
         if self.done or base.watchdog is None:
-            return
+            return watch_next(waited)
         if group.broken is not None:
             group.refuse(self.call)
         try:
             base.watchdog(waited, _Waiting(group, self.call, self.desc, self.seq, self.peer, self.index))
         except BaseException as e:
             group.fail(self.call, self.seq, self.slot, e)
+        return watch_next(waited)
 
     def source_rank(self) -> int:
         """For ``irecv(src=None)``: the global rank the message came from (waits first)."""

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 import commlib
-from commlib.backends.base import WATCH_FIRST, watch_next
 
 __all__ = ["LOCK", "DoneWork", "TorchWork", "completed", "submit"]
 
@@ -73,7 +72,7 @@ class TorchWork(dist.Work):
         self._queue: object = None  # collectives: their group (complete in issue order); None: independent
         self._busy = _BUSY_S + _nbytes(result) / _SLOW_BYTES_PER_S  # seconds it may keep moving data (_BUSY_S)
         self._started = time.monotonic()
-        self._watch_at = WATCH_FIRST  # seconds after the start when commlib's slow path looks next
+        self._watch_at = commlib.Work.FIRST_LOOK  # seconds after the start when commlib's slow path looks next
 
     def __repr__(self) -> str:
         return f"<commlib TorchWork {self._call} {'completed' if self._done.is_set() else 'pending'}>"
@@ -94,8 +93,8 @@ class TorchWork(dist.Work):
                 if self._works and now > self._deadline:
                     self._expire()
                 if self._works and (waited := now - self._started) > self._watch_at:
-                    self._watch_at = watch_next(waited)
-                    self._works[0].watch(waited)  # commlib's slow path: publish, judge, fail fast (may raise)
+                    # commlib's slow path: publish, judge, fail fast (may raise); says when to look next
+                    self._watch_at = self._works[0].watch(waited)
                 if self._works:
                     return False
                 if self._finish is not None:
