@@ -262,7 +262,8 @@ LATE_FAILURE = """
 import os, sys, time
 folder, rank = sys.argv[1], os.environ["RANK"]
 if rank == "0":
-    open(f"{folder}/rank0.pid", "w").write(str(os.getpid()))
+    open(f"{folder}/rank0.tmp", "w").write(str(os.getpid()))
+    os.rename(f"{folder}/rank0.tmp", f"{folder}/rank0.pid")  # whole: never read empty
     sys.exit(0)
 while not os.path.exists(f"{folder}/rank0.pid"):
     time.sleep(0.01)
