@@ -113,10 +113,12 @@ class Pricer:
         optimizer_states: int,
         batches: int = INPUT_BATCHES,
         overheads: tuple[tuple[int, float], ...] = (),
+        per_operator: float = 0.0,
     ) -> None:
-        """``overheads``: (bytes, overhead per tensor) as this process's allocator measured them (``_footprint``)."""
+        """``overheads``: (bytes, overhead per tensor) as this process's allocator measured them; ``per_operator``:
+        the bytes each operator keeps until backward besides its tensors' data (both from ``_footprint``)."""
         self.trace, self.machine, self.states, self.batches = trace, machine, optimizer_states, batches
-        self.overheads = overheads
+        self.overheads, self.per_operator = overheads, per_operator
         self.pl = trace.placement
         self.coords = self.pl.coords(self.pl.flat[0])
         self.ranks = len(self.pl.flat)
@@ -227,10 +229,12 @@ class Pricer:
         return Edge(t, mem, peak, moved / self.ranks)
 
     def held(self) -> float:
-        """Bytes of the forward's inputs each rank holds through a step, whatever the plan: ``batches`` batches
-        (the caller keeps the step's batch; its own layout, split(0), however the operators box it) and the next."""
+        """Bytes each rank holds through a step whatever the plan: ``batches`` batches of the forward's inputs (the
+        caller keeps the step's batch, in its own layout, split(0), however the operators box it, and the next)
+        and each operator's own objects kept until backward (``per_operator``)."""
         leaves = [t for src, t in self.trace.leaves.items() if src.startswith("input:")]
-        return self.batches * sum(self.footprint(self.nbytes(t.shape, t.layout, t.dtype)) for t in leaves)
+        inputs = self.batches * sum(self.footprint(self.nbytes(t.shape, t.layout, t.dtype)) for t in leaves)
+        return inputs + self.per_operator * len(self.trace.nodes)
 
     # -- operators ---------------------------------------------------------------------------
     def shapes(self, node: Node, cand: Cand) -> tuple[tuple[int, ...], ...]:

@@ -48,7 +48,7 @@ class Breakdown:
     param_mem: dict[str, float] = field(default_factory=dict)  # the part, optimizer states, bucket copy
     param_grad: dict[str, float] = field(default_factory=dict)
     step_peak: float = 0.0  # the optimizer step's largest temporaries
-    held: float = 0.0  # the forward's inputs the caller holds (the step's batch and the next one)
+    held: float = 0.0  # the forward's inputs the caller holds (two batches), the operators' own objects
 
     @property
     def time(self) -> float:
