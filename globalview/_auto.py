@@ -22,6 +22,7 @@ import torch
 import commlib
 from globalview._apply import label
 from globalview._autoplan import AutoPlan, fmt
+from globalview._footprint import overheads, per_operator
 from globalview._machine import fit
 from globalview._optime import time_all
 from globalview._placement import placement as Placement
@@ -55,7 +56,8 @@ def auto_parallel(
     ``sample_input``: one forward's input as each rank has it (a torch tensor, each rank's part of a batch
     split over every mesh axis; a global tensor; or a tuple of them, the forward's positional arguments).
     ``memory_per_rank``: bytes each rank may hold for parameters, gradients, optimizer states (``optimizer_states``
-    per element: 0 plain SGD, 1 momentum, 2 Adam) and activations; None: no limit. ``plan``: apply this
+    per element: 0 plain SGD, 1 momentum, 2 Adam), the forward's inputs (two batches: the step's and the next one)
+    and activations; None: no limit. ``plan``: apply this
     :class:`AutoPlan` (from :meth:`AutoPlan.load`) without tracing or searching. ``globalview.explain(module)``
     returns the plan; its text shows it per layer next to the hand-written plans.
 
@@ -86,7 +88,8 @@ def _search(
     largest = max(math.prod(t.shape) * t.dtype.itemsize for t in traced.leaves.values())
     largest = max([largest] + [math.prod(n.out_shape) * n.out_dtype.itemsize for n in traced.nodes])
     machine = fit(pl, largest)
-    space = Space(Pricer(traced, machine, states))
+    # this process's allocator and globalview's objects per operator, measured (as the machine, once)
+    space = Space(Pricer(traced, machine, states, overheads=overheads(), per_operator=per_operator(pl)))
     time_all(machine, space.timing_requests())
     measured = time.perf_counter() - start
     box: list[Any] = [None]
@@ -191,12 +194,15 @@ def _plan(space: Space, layouts: dict[str, Layout], budget: float | None, max_no
     start = time.perf_counter()
     factors = space.factors()
     domains = [len(d) for d in space.domains]
-    result = solve(domains, factors, budget, caps_of(factors), max_nodes, max_seconds=SEARCH_SECONDS)
+    held = space.pricer.held()  # the inputs and operators' objects: the same under every plan, not in the factors
+    room = None if budget is None else budget - held
+    fits = room is None or room > 0
+    result = solve(domains, factors, room, caps_of(factors), max_nodes, max_seconds=SEARCH_SECONDS) if fits else None
     if result is None:
         least = minimize(domains, factors, lam=1e12)
         raise ValueError(
             f"no plan fits memory_per_rank={budget:,.0f} bytes: the least memory a plan needs is "
-            f"{least.mem:,.0f} bytes per rank (parameters, gradients, optimizer states, activations)"
+            f"{least.mem + held:,.0f} bytes per rank (parameters, gradients, optimizer states, inputs, activations)"
         )
     searched = time.perf_counter() - start
     auto = space.decode(result)
@@ -239,6 +245,8 @@ def _report(space: Space, auto: Any, priced: Any, plan: AutoPlan) -> str:
         mine = [(n.rpartition(".")[2], lay) for n, lay in auto.layouts.items() if n.rpartition(".")[0] == layer]
         params = ", ".join(f"{n} {fmt(lay)}" for n, lay in mine) or "-"
         lines.append(f"  {layer:<24} {params[:44]:<44} {moved:>12,.0f} {t * 1e3:>9.3f} {mem / MIB:>9.2f}")
+    held = f"(inputs x{space.pricer.batches}, graph)"
+    lines.append(f"  {held:<24} {'-':<44} {0:>12,.0f} {0:>9.3f} {priced.held / MIB:>9.2f}")
     lines.append(
         f"  {'automatic (predicted step, peak memory)':<69} {'':>12} {plan.time * 1e3:>9.3f} {plan.memory / MIB:>9.2f}"
     )

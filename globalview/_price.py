@@ -12,10 +12,15 @@ A plan gives every parameter a layout and every operator a signature. Its predic
   out for the small ones) and the optimizer's pass over its local part.
 
 Memory per rank: each parameter's part, its gradient and optimizer states (and, summed in buckets, the
-bucket's copy); the activations autograd keeps (an operator's saved inputs as it got them, once per tensor;
-its saved output); and the largest transient: a gathered weight's whole copies (it, the next one prefetched,
-two gradients on their way to the reduce_scatter), an operator's gradients in backward, Adam's temporaries.
-Pure given the machine's measurements: no communication.
+bucket's copy); the forward's inputs, held by the caller for the whole step, ``batches`` of them at once (the
+step's batch and the next one, as a training loop or a prefetching loader keeps it); the activations autograd
+keeps (an operator's saved inputs as it got them, once per tensor, a forward input only when it saved a boxed
+copy; its saved output); and the largest transient: a gathered weight's whole copies (it, the next one prefetched,
+two gradients on their way to the reduce_scatter), an operator's gradients in backward, an operator's output in
+forward beside its input when no operator keeps that (a partial sum on its way to a reduce_scatter) and its boxed
+copy, Adam's temporaries. Each tensor counted costs its bytes and the allocator's overhead per tensor, as this
+process measured it (``_footprint``: a large tensor is a memory map of whole pages, one more for its header).
+Pure given the machine's and the allocator's measurements: no communication.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = ["OPT_PASSES", "Cand", "Pricer", "candidates", "param_layouts"]
 
 Layout = tuple[SbpParallel, ...]
 OPT_PASSES = {0: 3, 1: 6, 2: 12}  # memory passes of SGD, SGD with momentum, Adam over each element (read + write)
+INPUT_BATCHES = 2  # forward inputs each rank holds at once: the step's batch and the next one
 GATHERED = 4  # whole copies of a gathered weight alive at once: it, the next (prefetched), two gradients
 BUCKET_BYTES = 25 << 20  # the reducers' buckets: reductions are priced at this size's rate
 LONE_BYTES = 4 << 20  # a gradient this large is reduced where it is (no copies into a bucket and back)
@@ -100,8 +106,19 @@ def candidates(node: Node, hierarchy: tuple[int, ...]) -> list[Cand]:
 class Pricer:
     """Seconds and bytes of every choice on a trace, with a machine's measurements."""
 
-    def __init__(self, trace: Trace, machine: Machine, optimizer_states: int) -> None:
-        self.trace, self.machine, self.states = trace, machine, optimizer_states
+    def __init__(
+        self,
+        trace: Trace,
+        machine: Machine,
+        optimizer_states: int,
+        batches: int = INPUT_BATCHES,
+        overheads: tuple[tuple[int, float], ...] = (),
+        per_operator: float = 0.0,
+    ) -> None:
+        """``overheads``: (bytes, overhead per tensor) as this process's allocator measured them; ``per_operator``:
+        the bytes each operator keeps until backward besides its tensors' data (both from ``_footprint``)."""
+        self.trace, self.machine, self.states, self.batches = trace, machine, optimizer_states, batches
+        self.overheads, self.per_operator = overheads, per_operator
         self.pl = trace.placement
         self.coords = self.pl.coords(self.pl.flat[0])
         self.ranks = len(self.pl.flat)
@@ -122,6 +139,17 @@ class Pricer:
     def local(self, shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
         """The first rank's part (the largest, under uneven splits)."""
         return block_shape(shape, self.pl.hierarchy, layout, self.coords)
+
+    def footprint(self, nbytes: float) -> float:
+        """Resident bytes of a tensor of ``nbytes``: its bytes and the allocator's overhead at the largest measured
+        size at or below them (the smallest measured size's for smaller ones; none for an empty tensor)."""
+        if nbytes <= 0 or not self.overheads:
+            return float(nbytes)
+        extra = self.overheads[0][1]
+        for size, over in self.overheads:
+            if size <= nbytes:
+                extra = over
+        return float(nbytes) + extra
 
     def nbytes(self, shape: tuple[int, ...], layout: Layout, dtype: Any) -> int:
         return math.prod(self.local(shape, layout)) * np.dtype(dtype).itemsize
@@ -165,13 +193,15 @@ class Pricer:
         """Input ``i`` of node ``index`` boxed from ``src`` to ``dst``: forward, backward, kept and transient bytes."""
         node = self.trace.nodes[index]
         others = any(g for j, g in enumerate(node.grads) if j != i)
-        owns = self.owner.get(node.sources[i]) == index
-        what = (node.shapes[i], node.dtypes[i], node.grads[i], node.params[i], node.saved[i], others, owns)
+        source = node.sources[i]
+        owns = self.owner.get(source) == index and not source.startswith("input:")  # inputs: see held()
+        dies = source.startswith("node:") and source not in self.owner  # kept by no operator: freed after its use
+        what = (node.shapes[i], node.dtypes[i], node.grads[i], node.params[i], node.saved[i], others, owns, dies)
         return self._edge(what, src, dst)
 
     @functools.cache  # noqa: B019 - the pricer lives for one planning (equal operators of equal blocks share)
     def _edge(self, what: tuple, src: Layout, dst: Layout) -> Edge:
-        shape, dtype, grad, param, saved, others, owns = what
+        shape, dtype, grad, param, saved, others, owns, dies = what
         if _splits_into_partial((src,), (dst,)):
             return Edge(math.inf, 0.0, 0.0, 0.0)
         p = boxing_plan(shape, dtype, self.pl, src, dst)
@@ -186,11 +216,25 @@ class Pricer:
         if released and saved:
             t, moved = t + gather, moved + p.nbytes
         elif saved and p.steps:
-            mem = self.nbytes(shape, dst, dtype)
+            mem = self.footprint(self.nbytes(shape, dst, dtype))
         elif saved and not param and owns:
-            mem = self.nbytes(shape, src, dtype)
-        peak = GATHERED * self.nbytes(shape, dst, dtype) if param and _gathers(p) else 0.0
+            mem = self.footprint(self.nbytes(shape, src, dtype))
+        if param and _gathers(p):
+            peak = GATHERED * self.nbytes(shape, dst, dtype)
+        else:  # while the operator runs forward: the input as it came, when no operator keeps it, and its boxed copy
+            copied = any(s.kind != "relabel" for s in p.steps)
+            peak = (self.nbytes(shape, src, dtype) if dies else 0.0) + (
+                self.nbytes(shape, dst, dtype) if copied and not saved else 0.0
+            )
         return Edge(t, mem, peak, moved / self.ranks)
+
+    def held(self) -> float:
+        """Bytes each rank holds through a step whatever the plan: ``batches`` batches of the forward's inputs (the
+        caller keeps the step's batch, in its own layout, split(0), however the operators box it, and the next)
+        and each operator's own objects kept until backward (``per_operator``)."""
+        leaves = [t for src, t in self.trace.leaves.items() if src.startswith("input:")]
+        inputs = self.batches * sum(self.footprint(self.nbytes(t.shape, t.layout, t.dtype)) for t in leaves)
+        return inputs + self.per_operator * len(self.trace.nodes)
 
     # -- operators ---------------------------------------------------------------------------
     def shapes(self, node: Node, cand: Cand) -> tuple[tuple[int, ...], ...]:
@@ -207,18 +251,26 @@ class Pricer:
         return fwd + over_f + ((bwd + over_b) if grad else 0.0)
 
     def transient(self, node: Node, cand: Cand) -> float:
-        """Bytes alive for a moment in the operator's backward: its output's gradient and its inputs'."""
+        """Bytes alive for a moment in the operator's backward (its output's gradient and its inputs'), or in its
+        forward (its output, when no operator keeps it; each input's part is its edge's peak, see :meth:`edge`)."""
+        forward = self.forward_out(node, cand)
         if not any(node.grads):
-            return 0.0
+            return forward
         out = math.prod(self.local(node.out_shape, cand.output)) * node.out_dtype.itemsize
         inputs = zip(node.shapes, cand.inputs, node.dtypes, node.grads, strict=True)
         ins = sum(self.nbytes(s, lay, d) for s, lay, d, g in inputs if g)
-        return float(out + ins)
+        return float(max(out + ins, forward))
+
+    def forward_out(self, node: Node, cand: Cand) -> float:
+        """Bytes of the operator's output while it runs forward, beside its inputs (0 when kept: counted in kept)."""
+        if node.out_saved:
+            return 0.0
+        return float(math.prod(self.local(node.out_shape, cand.output)) * node.out_dtype.itemsize)
 
     def kept(self, node: Node, cand: Cand) -> float:
         """Bytes the operator itself keeps for backward: its output (if saved) and its other saved tensors."""
         numel = math.prod(self.local(node.out_shape, cand.output))
-        out = numel * node.out_dtype.itemsize if node.out_saved else 0.0
+        out = self.footprint(numel * node.out_dtype.itemsize) if node.out_saved else 0.0
         return out + node.extra_saved * numel
 
     # -- parameters --------------------------------------------------------------------------
@@ -241,7 +293,7 @@ class Pricer:
         leaf = self.trace.leaves[f"param:{name}"]
         size = self.nbytes(leaf.shape, layout, leaf.dtype)
         if not leaf.grad:
-            return 0.0, float(size), 0.0
+            return 0.0, self.footprint(size), 0.0
         m = self.machine
         per_param, per_byte = m.optimizer.get(str(self.states), (0.0, OPT_PASSES[self.states] / m.bandwidth))
         t = m.param_overhead + per_param + per_byte * size
@@ -251,5 +303,6 @@ class Pricer:
             t += m.collective("all_reduce", group, BUCKET_BYTES, boxing=False) * size / BUCKET_BYTES
             if size < LONE_BYTES:
                 t += 2 * size / m.bandwidth
-        persistent = size * (1 + self.states + (1 if self.bucketed(layout) else 0))
-        return t, float(persistent), float(size)
+        tensor = self.footprint(size)  # the part, its gradient and each optimizer state: a tensor each
+        persistent = tensor * (1 + self.states) + (size if self.bucketed(layout) else 0)  # buckets: few, large
+        return t, persistent, tensor

@@ -48,6 +48,7 @@ class Breakdown:
     param_mem: dict[str, float] = field(default_factory=dict)  # the part, optimizer states, bucket copy
     param_grad: dict[str, float] = field(default_factory=dict)
     step_peak: float = 0.0  # the optimizer step's largest temporaries
+    held: float = 0.0  # the forward's inputs the caller holds (two batches), the operators' own objects
 
     @property
     def time(self) -> float:
@@ -55,9 +56,9 @@ class Breakdown:
         return sum(self.node_time) + sum(self.param_time.values())
 
     def memory(self) -> float:
-        """Predicted peak bytes per rank: the parameters' state and gradients, the activations kept for backward,
-        and the largest transient (what the search bounds: all of it counted as alive at once)."""
-        state = sum(self.param_mem.values()) + sum(self.param_grad.values())
+        """Predicted peak bytes per rank: the parameters' state and gradients, the inputs held, the activations
+        kept for backward, and the largest transient (what the search bounds: all of it counted as alive at once)."""
+        state = sum(self.param_mem.values()) + sum(self.param_grad.values()) + self.held
         return state + sum(self.node_mem) + max(self.peak, self.step_peak)
 
 
@@ -116,12 +117,13 @@ class Space:
         time = np.array([p.compute(node, c) for c in cands])
         mem = np.array([p.kept(node, c) for c in cands])
         transient = np.array([p.transient(node, c) for c in cands])
+        forward = np.array([p.forward_out(node, c) for c in cands])[:, None]  # beside each input's forward peak
         in_time, in_mem, peaks = [], [], []
         for i, v in enumerate(ins):
             edges = [[p.edge(node.index, i, src, c.inputs[i]) for src in self.domains[v]] for c in cands]
             in_time.append(np.array([[e.time for e in row] for row in edges]))
             in_mem.append(np.array([[e.mem for e in row] for row in edges]))
-            peaks.append(np.array([[e.peak for e in row] for row in edges]))
+            peaks.append(np.array([[e.peak for e in row] for row in edges]) + forward)
         in_time = self._admissible(node, cands, ins, in_time)
         unique = tuple(dict.fromkeys(ins))  # x * x: one variable for both inputs, their costs summed
         if len(unique) < len(ins):
@@ -163,7 +165,7 @@ class Space:
 
     def price(self, a: Assignment) -> Breakdown:
         """Seconds and bytes of plan ``a``, per operator and per parameter."""
-        p, b = self.pricer, Breakdown()
+        p, b = self.pricer, Breakdown(held=self.pricer.held())
         for node, cand in zip(self.trace.nodes, a.cands, strict=True):
             edges = [p.edge(node.index, i, self._current(a, s), cand.inputs[i]) for i, s in enumerate(node.sources)]
             comm = sum(e.time for e in edges)
@@ -171,7 +173,8 @@ class Space:
             b.node_comm.append(comm)
             b.node_moved.append(sum(e.moved for e in edges))
             b.node_mem.append(p.kept(node, cand) + sum(e.mem for e in edges))
-            b.peak = max([b.peak, p.transient(node, cand)] + [e.peak for e in edges])
+            forward = p.forward_out(node, cand)
+            b.peak = max([b.peak, p.transient(node, cand)] + [e.peak + forward for e in edges])
         for name in self.params():
             b.param_time[name], b.param_mem[name], b.param_grad[name] = p.param(name, a.layouts[name])
             b.step_peak = max(b.step_peak, p.step_temporaries(name, a.layouts[name]))

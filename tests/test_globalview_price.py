@@ -1,6 +1,7 @@
 """The automatic planner's prices, without processes: a sharded parameter's gather priced as the weights plan
-runs it (not as boxing steps), a collective with and without a boxing step's overhead, and the machine's
-timings taken as the least of their runs (other jobs on a shared machine only ever add time)."""
+runs it (not as boxing steps), a collective with and without a boxing step's overhead, the machine's
+timings taken as the least of their runs (other jobs on a shared machine only ever add time), and the memory
+a step really holds: the inputs' batches, an operator's forward transients, the allocator's overhead per tensor."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from globalview import _machine
 from globalview._machine import Machine
 from globalview._placement import placement
 from globalview._price import BUCKET_BYTES, LONE_BYTES, Pricer
-from globalview._trace import Trace
-from globalview.sbp import broadcast, split
+from globalview._trace import Tensor, Trace
+from globalview.sbp import broadcast, partial_sum, split
 
 STEP = 0.5  # a boxing step's overhead, seconds: large, so that pricing it where it does not run shows
 GATHER = 1e-4  # the weights plan's overhead per gather
@@ -44,14 +45,14 @@ def test_a_sharded_weight_is_priced_as_the_weights_plan_runs_it(rows: int) -> No
     shape, dtype = (rows, 128), np.dtype(np.float32)
     whole = rows * 128 * 4
     # a weight (a parameter, needs a gradient, saved for another input's gradient), split(0) -> broadcast
-    edge = p._edge((shape, dtype, True, True, True, True, False), (split(0),), (broadcast,))
+    edge = p._edge((shape, dtype, True, True, True, True, False, False), (split(0),), (broadcast,))
     gather = m.collective("all_gather", 2, whole, boxing=False) + GATHER
     scatter = m.collective("reduce_scatter", 2, BUCKET_BYTES, boxing=False) * whole / BUCKET_BYTES
     scatter += 2 * whole / m.bandwidth if whole < LONE_BYTES else 0.0
     assert edge.time == pytest.approx(2 * gather + scatter)
     assert edge.time < STEP
     # the same gather of an activation is a boxing step (and its adjoint another)
-    act = p._edge((shape, dtype, True, False, True, True, False), (split(0),), (broadcast,))
+    act = p._edge((shape, dtype, True, False, True, True, False, False), (split(0),), (broadcast,))
     assert act.time > 2 * STEP
 
 
@@ -59,7 +60,7 @@ def test_a_weight_not_needed_again_in_backward_is_gathered_once() -> None:
     """A first layer's weight (no other input needs a gradient) is not gathered again in backward."""
     p, m = _pricer(), _machine_for_test()
     shape, dtype = (128, 128), np.dtype(np.float32)
-    edge = p._edge((shape, dtype, True, True, True, False, False), (split(0),), (broadcast,))
+    edge = p._edge((shape, dtype, True, True, True, False, False, False), (split(0),), (broadcast,))
     gather = m.collective("all_gather", 2, 128 * 128 * 4, boxing=False) + GATHER
     assert gather < edge.time < 2 * gather
 
@@ -68,3 +69,46 @@ def test_timings_are_the_least_of_their_runs() -> None:
     """A run slowed by another job (a rank descheduled mid-call) does not count: the least run is the machine's."""
     runs = iter([(9.0, 9.0), (3.0, 5.0), (7.0, 1.0), (4.0, 2.0)])
     assert _machine._least(lambda: next(runs), 3) == (3.0, 1.0)  # the first run is a warm-up
+
+
+def test_the_inputs_are_held_as_batches_in_their_own_layout() -> None:
+    """The caller holds the step's batch and the next one, split(0) as given, whatever the operators box them to;
+    an operator that saves a forward input as it came adds nothing (the batch is counted once)."""
+    x = Tensor((8, 16), np.dtype(np.float32), (split(0),), False)
+    trace = Trace(placement("cpu", [0, 1]), [], {"input:0": x}, [])
+    p = Pricer(trace, _machine_for_test(), 2)
+    assert p.held() == 2 * 4 * 16 * 4  # two batches of this rank's 4 rows
+    assert Pricer(trace, _machine_for_test(), 2, batches=1).held() == 4 * 16 * 4
+
+
+def test_an_activation_boxed_in_forward_is_a_transient_with_its_source() -> None:
+    """An input no operator keeps (a partial sum on its way to a reduce_scatter) and its boxed copy, when the
+    operator does not save it, are alive together while the operator runs forward."""
+    p = _pricer()
+    shape, dtype = (1024, 128), np.dtype(np.float32)
+    whole = 1024 * 128 * 4
+    edge = p._edge((shape, dtype, True, False, False, False, False, True), (partial_sum,), (split(1),))
+    assert edge.peak == whole + whole // 2 and edge.mem == 0.0
+    kept = p._edge((shape, dtype, True, False, True, False, False, False), (partial_sum,), (split(1),))
+    assert kept.peak == 0.0 and kept.mem == whole // 2  # saved: kept for backward, not a transient
+
+
+def test_the_footprint_adds_the_allocators_overhead_per_tensor() -> None:
+    """A tensor costs its bytes and the overhead measured at the largest size at or below them."""
+    p = Pricer(
+        Trace(placement("cpu", [0, 1]), [], {}, []), _machine_for_test(), 2, overheads=((1024, 600.0), (65536, 4096.0))
+    )
+    assert p.footprint(0) == 0.0
+    assert p.footprint(512) == 512 + 600.0
+    assert p.footprint(32768) == 32768 + 600.0
+    assert p.footprint(1 << 20) == (1 << 20) + 4096.0
+    assert _pricer().footprint(1 << 20) == 1 << 20  # nothing measured: the bytes
+
+
+def test_overheads_are_measured_in_this_process() -> None:
+    """Each measured size gets a non-negative overhead per tensor (read from the resident memory on Linux)."""
+    from globalview._footprint import SIZES, overheads
+
+    got = overheads()
+    assert got == () or [n for n, _ in got] == [n for n, _ in SIZES]
+    assert all(over >= 0 for _, over in got)
