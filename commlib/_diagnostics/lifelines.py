@@ -130,9 +130,9 @@ class Lifelines:
         nothing unread: had it died, its kernel (ours) would have closed the connection already, so no death of
         theirs is still to be read."""
         for i in ids:
-            peer = self.peers.get(i) if i != self.me else None
             if i == self.me:
                 continue
+            peer = self.peers.get(i)
             if peer is None or i in self.ended or not _same_host(peer.sock):
                 return False
             try:
