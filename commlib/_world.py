@@ -16,6 +16,7 @@ from commlib._settings import current
 from commlib._settings import value as setting
 from commlib._timeouts import as_seconds
 from commlib.backends import REPORTED, Spec, choose
+from commlib.backends import base as _base
 from commlib.backends.base import Backend
 from commlib.errors import CommTimeoutError
 
@@ -201,6 +202,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     _state.by_ranks = {r: g for r, g in _state.by_ranks.items() if g not in targets}
     if everything:
         _recovery_stop()
+        _base.watchdog = None  # the slow path of a world that is gone (its store, its failures) reads nothing more
         store, _state.store = _state.store, None
         _state.destroyed = _state.destroyed or _state.world is not None
         _state.world, _state.implicit, _state.groups, _state.by_ranks, _state.asked = None, False, [], {}, None

@@ -427,3 +427,38 @@ def test_all_to_all_own_block_sizes_must_agree() -> None:
     message, out = run(own_block_job, 1, timeout=60)[0]
     assert "all_to_all_single: input_split_sizes[0] and output_split_sizes[0]" in message, message
     assert "got 4 and 3 elements" in message and out == [0.0] * 3, (message, out)
+
+
+def late_store_in_a_second_world_job() -> dict:
+    """A world, gone; then a second one whose store rank 0 starts 0.5 s late (a loaded machine: a thread, a
+    socket, a host name lookup): the others wait in the setup's broadcast of its address past the slow path's
+    first look (which the last world's slow path must not take)."""
+    import commlib as dist
+    from commlib._diagnostics import jobstore, lifelines
+
+    dist.init_process_group()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dist.all_reduce(np.ones(1))
+    dist.destroy_process_group()
+    serve = jobstore._serve
+
+    def late() -> str:
+        time.sleep(0.5)
+        return serve()
+
+    jobstore._serve = late  # type: ignore[assignment]
+    try:
+        dist.init_process_group()
+    finally:
+        jobstore._serve = serve  # type: ignore[assignment]
+    out = np.zeros(n, np.float64)
+    dist.all_gather_into_tensor(out, np.full(1, float(rank)))
+    return {"store": jobstore.dead(), "lifelines": lifelines.current() is not None, "gathered": out.tolist()}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_second_world_finds_its_store_when_it_starts_late(backend: str) -> None:
+    """The last world's slow path ran in the new world's setup (a wait past 0.05 s) and gave its store up before
+    the address arrived: no store, no lifelines, and (4 ranks, loaded CI) a first call that hung."""
+    for r in run(late_store_in_a_second_world_job, 3, env=BACKENDS[backend], timeout=120):
+        assert r == {"store": None, "lifelines": True, "gathered": [0.0, 1.0, 2.0]}, r

@@ -43,6 +43,9 @@ def setup(backend: Any, timeout: float, store: Any = None, attached: bool = Fals
     it already), and the slow path on."""
     from commlib.backends import base as _base
 
+    # Off until this world's store is found: a wait of the setup (the store's address, broadcast) would run the
+    # last world's slow path, whose read of a store not yet found gives the new one up for good.
+    _base.watchdog = None
     _state.failure_raised = False
     progress.new_world()
     devicewatch.new_world()
