@@ -168,7 +168,7 @@ _warm = _Warm()
 
 
 @contextlib.contextmanager
-def warm_ranks(max_ranks: int = 20, max_memory: float = 6.0) -> Iterator[Any]:
+def warm_ranks(max_ranks: int = 32, max_memory: float = 6.0) -> Iterator[Any]:
     """Inside: :func:`run` reuses one job of warm ranks per (world size, environment, working directory).
 
     The ranks of a warm job run one function after another: each function's module is imported once (torch
@@ -181,8 +181,8 @@ def warm_ranks(max_ranks: int = 20, max_memory: float = 6.0) -> Iterator[Any]:
     a new one. A job is never reused after a failure, a timeout or a kill: the failure is reported as for a
     fresh job (each rank's traceback, stack dumps of the ranks killed at the deadline), and the job ends.
 
-    ``max_ranks``, ``max_memory``: idle jobs are stopped (least recently used first) to keep at most this many
-    warm ranks, using at most this many GiB of memory (resident) in all (but the job last used).
+    ``max_ranks``, ``max_memory``: idle jobs are stopped (those that served the fewest calls first) to keep at
+    most this many warm ranks, using at most this many GiB of memory (resident) in all (but the job last used).
     Every job is stopped when the block ends; a block inside another (or inside :func:`fresh_ranks`) has jobs of
     its own. The block's value counts the calls, the jobs started and the
     jobs that could not be reused (``calls``, ``started``, ``retired``). Use :func:`fresh_ranks` for calls that

@@ -320,7 +320,7 @@ class Pools:
     def __init__(self, max_ranks: int, max_memory: int) -> None:
         self.max_ranks = max_ranks
         self.max_memory = max_memory
-        self.jobs: OrderedDict[tuple, Pool] = OrderedDict()  # least recently used first
+        self.jobs: OrderedDict[tuple, Pool] = OrderedDict()  # idle jobs, least recently used first
         self.started = 0  # jobs started
         self.calls = 0  # functions run
         self.evicted = 0  # idle jobs stopped to make room
@@ -344,13 +344,16 @@ class Pools:
         self._make_room(0)
 
     def _make_room(self, world_size: int) -> None:
-        """Stop the least recently used jobs until a new one of ``world_size`` ranks fits (in ranks and memory)."""
+        """Stop idle jobs until a new one of ``world_size`` ranks fits (in ranks and memory): the jobs that served
+        the fewest calls first, the least recently used of those first. A job of a test's own settings, used once,
+        goes before the jobs most tests share (LRU alone stopped those each time one of its own came in)."""
         stopping = []
         while len(self.jobs) > (0 if world_size else 1) and (
             sum(p.world_size for p in self.jobs.values()) + world_size > self.max_ranks
             or sum(p.memory() for p in self.jobs.values()) > self.max_memory
         ):
-            _, old = self.jobs.popitem(last=False)
+            key = min(self.jobs, key=lambda k: self.jobs[k].calls)  # the first of the least used (recency order)
+            old = self.jobs.pop(key)
             old.stop()
             stopping.append(old)
             self.evicted += 1
