@@ -2,7 +2,7 @@
 
     python benchmarks/recovery.py                  # 4 and 8 ranks, median of 5 runs; then the training runs
     python benchmarks/recovery.py --ranks 4 --runs 3 --no-training
-    python benchmarks/recovery.py --smoke          # CI: 3 ranks once, 30 training steps (commlib's runs only)
+    python benchmarks/recovery.py --smoke          # CI: 3 ranks once, then 30 steps on 3 ranks (commlib only)
 
 Part 1, under ``python -m commlib.launch --on-failure continue``: N ranks run an all_reduce loop (1024 float32);
 rank 2 is SIGKILLed from outside. Each survivor reports, in seconds after the kill: when its call raised
@@ -148,19 +148,19 @@ def _results(out: str) -> list[dict]:
 _LAUNCHERS = ("commlib", "spare", "torchrun")
 
 
-def train(launcher: str, steps: int, kill_at: int, admit_from: int) -> dict | None:
+def train(launcher: str, steps: int, kill_at: int, admit_from: int, ranks: int = 4) -> dict | None:
     """One run of the example: wall seconds, the final loss, whether every rank's weights agree."""
     args = ["--steps", str(steps), "--kill-at", str(kill_at), "--admit-from", str(admit_from)]
     with tempfile.TemporaryDirectory() as tmp:
         if launcher in ("commlib", "spare"):
-            cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "4", "--on-failure", "replace"]
+            cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", str(ranks), "--on-failure", "replace"]
             cmd += ["--spares", "1"] if launcher == "spare" else []
             cmd += ["--master_port", str(_port()), str(EXAMPLE), *args, "--wait-for-replacement"]
         else:
             torchrun = shutil.which("torchrun")
             if torchrun is None:
                 return None
-            cmd = [torchrun, "--nproc_per_node", "4", "--max-restarts", "2", "--master_port", str(_port())]
+            cmd = [torchrun, "--nproc_per_node", str(ranks), "--max-restarts", "2", "--master_port", str(_port())]
             cmd += [str(EXAMPLE), *args, "--recover", "restart", "--snapshot", f"{tmp}/snapshot.pt"]
         start = time.monotonic()
         proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
@@ -176,10 +176,14 @@ def train(launcher: str, steps: int, kill_at: int, admit_from: int) -> dict | No
     return {"seconds": seconds, "loss": final["loss"], "same": len({r["checksum"] for r in last}) == 1, "loop": loop}
 
 
-def part2(steps: int, kill_at: int, admit_from: int, launchers: tuple[str, ...] = _LAUNCHERS, repeats: int = 3) -> None:
+def part2(
+    steps: int, kill_at: int, admit_from: int, launchers: tuple[str, ...] = _LAUNCHERS, repeats: int = 3, ranks: int = 4
+) -> None:
     """Each launcher's run uninterrupted and with the kill, ``repeats`` times in turn (the launchers alternate,
     so that a slow spell of the machine falls on all of them): medians of the wall times."""
-    print(f"# training, 4 ranks, {steps} steps: rank 2 killed at step {kill_at}; wall seconds, median of {repeats}")
+    print(
+        f"# training, {ranks} ranks, {steps} steps: rank 2 killed at step {kill_at}; wall seconds, median of {repeats}"
+    )
     print(f"{'run':<38} {'wall':>7} {'lost':>7} {'loss':>9}  same weights")
     names = {
         "commlib": "commlib shrink + replacement",
@@ -190,7 +194,7 @@ def part2(steps: int, kill_at: int, admit_from: int, launchers: tuple[str, ...] 
     for _ in range(repeats):
         for launcher in launchers:
             for label, kill in (("uninterrupted", -1), ("killed", kill_at)):
-                r = train(launcher, steps, kill, admit_from)
+                r = train(launcher, steps, kill, admit_from, ranks)
                 if r is not None:
                     runs.setdefault((launcher, label), []).append(r)
     lost = {}
@@ -234,13 +238,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--no-training", action="store_true", help="part 1 only")
     p.add_argument("--repeats", type=int, default=3, help="part 2: runs of each kind (medians)")
-    p.add_argument("--smoke", action="store_true", help="CI: 3 ranks once, 30 steps (kill at 10, newcomers from 20)")
+    p.add_argument(
+        "--smoke", action="store_true", help="CI: 3 ranks once, 30 steps on 3 ranks (kill at 10, newcomers from 20)"
+    )
     args = p.parse_args()
     if args.smoke:
         part1([3], 1)
-        part2(
-            30, 10, 20, ("spare",), repeats=1
-        )  # torchrun's restarts: the full run only (4 workers importing torch, twice)
+        part2(30, 10, 20, ("spare",), repeats=1, ranks=3)  # torchrun's restarts: the full run only
         return
     part1(args.ranks, args.runs)
     if not args.no_training:
