@@ -60,6 +60,19 @@ def both(cmd: list[str], tmp_path: Path) -> dict[str, dict]:
     return {"gloo": gloo, "commlib": ours}
 
 
+def in_turn(cmd: list[str], tmp_path: Path) -> dict[str, dict]:
+    """``cmd --backend gloo commlib``: one job whose processes train on gloo, then again on commlib (Lightning's
+    imports, seconds per process, paid once); run again when gloo aborted in its teardown (and only then)."""
+    for attempt in range(3):
+        job = run_job([*cmd, "--backend", "gloo", "commlib"], DEADLINE, clean_env(), cwd=tmp_path)
+        if job.returncode == 0 or GLOO_TEARDOWN_ABORT not in job.stderr or attempt == 2:
+            break
+        print(f"\ngloo aborted in its teardown: running the job again\n{job.stderr[-600:]}")
+    runs = {r["backend"]: r for r in results(job)}
+    assert list(runs) == ["gloo", "commlib"], job.tail()
+    return runs
+
+
 def report(name: str, cmd: list[str], runs: dict[str, dict]) -> None:
     """One line per framework: the command, the checksums and the step times side by side."""
     shown = " ".join(str(c).replace(str(ROOT) + "/", "") for c in cmd).replace(sys.executable, "python")
@@ -71,7 +84,7 @@ def report(name: str, cmd: list[str], runs: dict[str, dict]) -> None:
 def test_lightning_under_its_own_launcher(tmp_path: Path) -> None:
     pytest.importorskip("pytorch_lightning")
     cmd = [sys.executable, str(EXAMPLES / "lightning_ddp.py")]
-    runs = both(cmd, tmp_path)
+    runs = in_turn(cmd, tmp_path)
     report("Lightning (its launcher)", cmd, runs)
     gloo, ours = runs["gloo"], runs["commlib"]
     assert ours["backend"] == "commlib" and gloo["backend"] == "gloo"
@@ -83,7 +96,7 @@ def test_lightning_under_its_own_launcher(tmp_path: Path) -> None:
 def test_lightning_under_torchrun(tmp_path: Path) -> None:
     pytest.importorskip("pytorch_lightning")
     cmd = [*TORCHRUN, str(EXAMPLES / "lightning_ddp.py")]
-    runs = both(cmd, tmp_path)
+    runs = in_turn(cmd, tmp_path)
     report("Lightning (torchrun)", cmd, runs)
     assert runs["commlib"]["weights_sha256"] == runs["gloo"]["weights_sha256"]
     assert runs["commlib"]["val_correct"] == runs["gloo"]["val_correct"]

@@ -13,6 +13,8 @@ import pytest
 
 from commlib.testing import run
 
+pytestmark = pytest.mark.warm_ranks  # commlib.testing.run reuses warm ranks (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("wide mlp", "deep mlp", "gpt")
 STEPS = 20

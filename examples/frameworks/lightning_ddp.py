@@ -6,9 +6,10 @@ each mean too).
 
     python examples/frameworks/lightning_ddp.py --backend commlib            # Lightning's own launcher
     torchrun --standalone --nproc_per_node 2 examples/frameworks/lightning_ddp.py --backend commlib
+    python examples/frameworks/lightning_ddp.py --backend gloo commlib       # both, in turn, in one job
 
-Rank 0 prints ``RESULT {json}``: a checksum of the final weights (equal to gloo's, bit for bit, on 2 ranks), the
-synced validation metrics and the median training step time.
+Rank 0 prints ``RESULT {json}`` (one per backend): a checksum of the final weights (equal to gloo's, bit for
+bit, on 2 ranks), the synced validation metrics and the median training step time.
 """
 
 from __future__ import annotations
@@ -69,19 +70,15 @@ class StepTimer(pl.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="commlib", help="torch.distributed backend: commlib or gloo")
-    parser.add_argument("--epochs", type=int, default=3)
-    args = parser.parse_args()
+def fit(backend: str, epochs: int) -> None:
+    """Train on ``backend``'s process group; rank 0 prints ``RESULT {json}``."""
     torch.manual_seed(0)
-    torch.set_num_threads(1)
     model, timer = Classifier(), StepTimer()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPStrategy(process_group_backend=args.backend),
-        max_epochs=args.epochs,
+        strategy=DDPStrategy(process_group_backend=backend),
+        max_epochs=epochs,
         callbacks=[timer],
         logger=False,
         enable_checkpointing=False,
@@ -103,6 +100,16 @@ def main() -> None:
             "step_ms": 1000 * statistics.median(timer.seconds[2:]),
         }), flush=True)  # fmt: skip
     torch.distributed.destroy_process_group()  # Lightning leaves the group to the script
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", nargs="+", default=["commlib"], help="torch.distributed backends, in turn")
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for backend in args.backend:  # the same processes train again, from the same seed, on the next backend
+        fit(backend, args.epochs)
 
 
 if __name__ == "__main__":
