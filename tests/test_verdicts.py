@@ -90,6 +90,21 @@ def test_a_difference_older_than_what_is_kept_is_still_found() -> None:
     assert got is not None and "they differ before the last" in got[1]
 
 
+@pytest.mark.parametrize("count", [1, Digests.RECENT - 1, Digests.RECENT, 3 * Digests.RECENT + 7])
+def test_calls_folded_in_batches_give_the_call_by_call_digest(count: int) -> None:
+    """The device path only notes each call; the fold (every RECENT calls, and when read) is the same chain."""
+    calls = [Call("all_reduce", F32, 1 + i % 5, ReduceOp.SUM) for i in range(count)]
+    running, recent = 0, []
+    for seq, c in enumerate(calls, start=1):
+        running = ((running ^ digest(c)) * 0x100000001B3) & ((1 << 64) - 1)
+        recent.append((seq, running, c))
+    d = _ran(calls)
+    assert len(d.pending) == count % Digests.RECENT  # not folded yet: one append per call
+    got = d.summary()
+    assert got["calls"] == running and got["seq"] == count and not d.pending
+    assert [r[:2] for r in got["recent"]] == [list(r[:2]) for r in recent[-Digests.RECENT :]]
+
+
 def test_the_closing_record_reads_back() -> None:
     d = _ran([Call("reduce", F32, 4, ReduceOp.MAX, 1)])
     d.message(Call("send", F32, 3, root=1))

@@ -39,19 +39,33 @@ class Digests:
 
     RECENT = 64
 
-    __slots__ = ("calls", "last", "received", "recent", "sent", "seq")
+    __slots__ = ("calls", "last", "pending", "received", "recent", "sent", "seq")
 
     def __init__(self, size: int) -> None:
         self.calls, self.seq = 0, 0
         self.sent, self.received = [0] * size, [0] * size
         self.recent: collections.deque[tuple[int, int, Call]] = collections.deque(maxlen=self.RECENT)
         self.last: dict[tuple[str, int], Call] = {}  # ("send" or "recv", peer) -> its last message
+        self.pending: list[tuple[int, Call]] = []  # (seq, call) noted, not folded yet (see collective)
 
     def collective(self, call: Call, seq: int) -> None:
-        """Fold collective #``seq`` (on every call of the device path: :func:`_fold`, inlined)."""
-        self.calls = folded = ((self.calls ^ digest(call)) * _MIX) & _MASK
-        self.seq = seq
-        self.recent.append((seq, folded, call))
+        """Note collective #``seq``. It is folded with the next ones, :data:`RECENT` at a time, or when the
+        digests are read (:meth:`fold`): every call of the device path comes here, and an append is a third
+        of a fold's cost (0.9 us a call before)."""
+        pending = self.pending
+        pending.append((seq, call))
+        if len(pending) >= self.RECENT:
+            self.fold()
+
+    def fold(self) -> None:
+        """Fold the calls noted since the last fold into the running digest, in order."""
+        pending, self.pending = self.pending, []
+        calls, recent = self.calls, self.recent
+        for seq, call in pending:
+            calls = ((calls ^ digest(call)) * _MIX) & _MASK
+            recent.append((seq, calls, call))
+        if pending:
+            self.calls, self.seq = calls, pending[-1][0]
 
     def message(self, call: Call) -> None:
         """Fold a send or a receive (its message's description, the same on both sides)."""
@@ -61,12 +75,14 @@ class Digests:
 
     def summary(self) -> dict[str, Any]:
         """What the slow path publishes (JSON): the last call's number and digest, and the recent calls."""
+        self.fold()
         return {"seq": self.seq, "calls": self.calls, "recent": [_numbers(r) for r in self.recent]}
 
     def record(self) -> np.ndarray:
         """What the closing check exchanges, as int64s: the collectives' digest; per rank, the digests of the
         messages to and from it and the last of each (dtype code and count); how many recent calls follow, and
         those (:data:`_FIELDS` numbers each)."""
+        self.fold()
         n, k = len(self.sent), self.RECENT
         out = np.zeros(1 + 6 * n + 1 + k * _FIELDS, np.uint64)
         out[0] = self.calls

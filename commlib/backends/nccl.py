@@ -240,7 +240,8 @@ class NcclBackend(Backend):
         """The stream the caller's work is on: torch's current stream for torch tensors, else cupy's."""
         if not self.host:
             for a in keep:
-                if _TORCH_TYPES.get(type(a)) or (type(a) not in _TORCH_TYPES and _from_torch(type(a))):
+                torch_kind = _TORCH_TYPES.get(type(a))
+                if torch_kind or (torch_kind is None and _from_torch(type(a))):
                     import torch
 
                     return self.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
@@ -331,7 +332,9 @@ class NcclBackend(Backend):
         s = inp if view is None else inp.view(view)
         r = s if inp is out else out if view is None else out.view(view)
         sptr = address(s)
-        return self.comm.allReduce, (sptr, sptr if r is s else address(r), s.size, dt, nop), (s, r)
+        if r is s:  # in place: one buffer to keep, one to look at for the caller's stream
+            return self.comm.allReduce, (sptr, sptr, s.size, dt, nop), (s,)
+        return self.comm.allReduce, (sptr, address(r), s.size, dt, nop), (s, r)
 
     def _barrier(self, call: Call, inp: Any, out: Any) -> tuple[Callable[..., None], tuple, tuple]:
         """NCCL has no barrier: an all_reduce of one element stands in for it (as torch does)."""
