@@ -557,3 +557,37 @@ def _marked_files(marker: bytes) -> list[bytes]:
             if b"commlib-testing-warm-" in arg and os.path.isdir(arg):
                 names += [os.fsencode(p) for p in Path(os.fsdecode(arg)).glob("call-*/*")]
     return names
+
+
+class _IdleJob:
+    """What ``Pools`` asks of an idle warm job: its size, its calls, its memory; stopping it."""
+
+    def __init__(self, world_size: int, calls: int) -> None:
+        self.world_size, self.calls, self.stopped = world_size, calls, False
+
+    def memory(self) -> int:
+        return 0
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def reap(self, end: float) -> None:
+        pass
+
+
+def test_warm_jobs_most_tests_share_outlive_a_test_s_own() -> None:
+    """Room is made by stopping the idle jobs that served the fewest calls (the least recently used of those),
+    never the job just given back: a job of one test's own settings goes before the jobs every test reuses."""
+    from commlib.testing._pool import Pools
+
+    pools = Pools(max_ranks=8, max_memory=1 << 40)
+    shared, own, other = _IdleJob(4, 9), _IdleJob(2, 1), _IdleJob(2, 5)
+    pools.jobs.update({"shared": shared, "own": own, "other": other})  # least recently used first
+    pools._make_room(2)  # 8 ranks idle, 2 more wanted: one 2-rank job goes
+    assert (shared.stopped, own.stopped, other.stopped) == (False, True, False) and pools.evicted == 1
+    new = _IdleJob(4, 1)
+    pools.give_back("new", new)  # 10 ranks now: the least used but the one just given back
+    assert (shared.stopped, other.stopped, new.stopped) == (False, True, False) and list(pools.jobs) == [
+        "shared",
+        "new",
+    ]

@@ -352,8 +352,8 @@ class Pools:
             sum(p.world_size for p in self.jobs.values()) + world_size > self.max_ranks
             or sum(p.memory() for p in self.jobs.values()) > self.max_memory
         ):
-            key = min(self.jobs, key=lambda k: self.jobs[k].calls)  # the first of the least used (recency order)
-            old = self.jobs.pop(key)
+            idle = list(self.jobs)[: None if world_size else -1]  # not the job just given back
+            old = self.jobs.pop(min(idle, key=lambda k: self.jobs[k].calls))  # the first of the least used
             old.stop()
             stopping.append(old)
             self.evicted += 1
