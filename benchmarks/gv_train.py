@@ -17,8 +17,11 @@ median round's per-step time of the slower rank. A benchmark, not a test: it nev
 
 Fully sharded (every parameter ``split(0)``: each rank holds half of the weights) is timed against
 torch's FSDP2 (``fully_shard`` on each Linear and the root) on torch.distributed backend "commlib",
-in the same processes, at each ``--fsdp-batch``: at a small batch globalview moves the activations,
-at a large one the weights, as ``globalview.explain`` prices them, with FSDP2's schedule
+in the same processes, at each ``--fsdp-batch``, next to the floor: the whole model trained on the rank's batch
+with no communication at all. At a small batch globalview moves the activations (each rank computes its half
+of the weights on every rank's samples: less work than the floor's, with a small batch); at a large one the
+weights, as ``globalview.explain`` prices them (then both compute every layer on the rank's own samples: the
+floor is what neither can beat), with FSDP2's schedule
 (``globalview._weights``): each Linear's gather prefetched while the one before computes, the gathered
 weight freed after use and gathered again (prefetched) in backward, the gradients reduce-scattered in
 buckets as backward makes them.
@@ -134,6 +137,7 @@ def _sharded(torch: Any, batch: int) -> dict[str, Callable[[], None]]:
     return {
         f"gv fully sharded b{batch}": _stepper(torch, sharded, xd, yd),
         f"torch FSDP2 b{batch}": _stepper(torch, fsdp, x, y),
+        f"no communication b{batch}": _stepper(torch, _mlp(torch), x, y),  # the whole model, this rank's batch
     }
 
 
@@ -206,12 +210,21 @@ def _report_sharded(sharded: dict[int, dict[str, list[float]]], args: argparse.N
     print(
         f"\n# fully sharded (every parameter split(0)) vs torch FSDP2 on backend 'commlib', {args.fsdp_repeats} rounds"
     )
-    print(f"{'batch/rank':<11} {'gv ms':>9} {'FSDP2 ms':>9} {'gv/FSDP2':>9}   gv's plan per Linear")
+    print(
+        f"{'batch/rank':<11} {'gv ms':>9} {'FSDP2 ms':>9} {'gv/FSDP2':>9} {'floor ms':>9} "
+        f"{'gv/floor':>9} {'FSDP2/floor':>11}   gv's plan per Linear"
+    )
     for batch, times in sharded.items():
-        gv_ms = statistics.median(times[f"gv fully sharded b{batch}"]) * 1e3
-        fsdp_ms = statistics.median(times[f"torch FSDP2 b{batch}"]) * 1e3
-        print(f"{batch:<11} {gv_ms:>9.1f} {fsdp_ms:>9.1f} {gv_ms / fsdp_ms:>8.3f}x   {_plans(batch)}")
+        gv_ms, fsdp_ms, floor_ms = (
+            statistics.median(times[f"{name} b{batch}"]) * 1e3
+            for name in ("gv fully sharded", "torch FSDP2", "no communication")
+        )
+        print(
+            f"{batch:<11} {gv_ms:>9.1f} {fsdp_ms:>9.1f} {gv_ms / fsdp_ms:>8.3f}x {floor_ms:>9.1f} "
+            f"{gv_ms / floor_ms:>8.3f}x {fsdp_ms / floor_ms:>10.3f}x   {_plans(batch)}"
+        )
     print(f"# {FSDP_TARGET}")
+    print("# floor: the whole model trained on this rank's batch with no communication, in the same processes")
 
 
 def _plans(batch: int) -> str:

@@ -27,7 +27,7 @@ from globalview._machine import fit
 from globalview._optime import time_all
 from globalview._placement import placement as Placement
 from globalview._price import Pricer
-from globalview._search import minimize, solve
+from globalview._search import least_memory, solve
 from globalview._space import Space
 from globalview._tensor import GlobalTensor
 from globalview._tensor import to_global as _to_global
@@ -202,11 +202,11 @@ def _plan(space: Space, layouts: dict[str, Layout], budget: float | None, max_no
     fits = room is None or room > 0
     result = solve(domains, factors, room, caps_of(factors), max_nodes, max_seconds=SEARCH_SECONDS) if fits else None
     if result is None:
-        least = minimize(domains, factors, lam=1e12)
+        least = least_memory(domains, factors, caps_of(factors))
         raise ValueError(
             f"no plan fits memory_per_rank={budget:,.0f} bytes: the least memory a plan needs is "
-            f"{least.mem + held:,.0f} bytes per rank (parameters, gradients, optimizer states, inputs, activations), "
-            f"and a plan leaves {HEADROOM:.0%} of the budget free"
+            f"{least + held:,.0f} bytes per rank (parameters, gradients, optimizer states, inputs, activations, "
+            f"the largest gathered weight), and a plan leaves {HEADROOM:.0%} of the budget free"
         )
     searched = time.perf_counter() - start
     auto = space.decode(result)

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Factor", "Result", "minimize", "solve"]
+__all__ = ["Factor", "Result", "least_memory", "minimize", "solve"]
 
 INF = float("inf")
 TIE = 1e-12  # seconds per byte that break ties in time (1 us per MiB)
+LEAST = 1e12  # seconds per byte: the multiplier at which minimize gives the least memory (time breaks ties)
 
 
 @dataclass
@@ -199,8 +200,13 @@ def solve(
         room = budget - (0.0 if math.isinf(cap) else cap)
         if fastest.mem <= room:  # the fastest with this cap fits: nothing better under it
             best = fastest
-        else:
-            heapq.heappush(queue, (fastest.time, len(queue), cap, {}))
+            continue
+        # The least memory under this cap: a plan that fits, if any does with this cap. The search below only
+        # improves on it, so that a node limit reached before a hull walk found a plan is not taken for "none fits".
+        small = minimize(domains, factors, LEAST, cap, None, order)
+        if math.isfinite(small.time) and small.mem <= room and (best is None or small.time < best.time):
+            best = small
+        heapq.heappush(queue, (fastest.time, len(queue), cap, {}))
     nodes = 0
     while queue and nodes < max_nodes and (best is None or time.perf_counter() < deadline):
         bound, _, cap, masks = heapq.heappop(queue)
@@ -214,6 +220,17 @@ def solve(
         best.nodes = nodes
         best.gap = max(0.0, best.time - min(b for b, *_ in queue)) if queue else 0.0
     return best
+
+
+def least_memory(domains: Sequence[int], factors: Sequence[Factor], caps: Sequence[float]) -> float:
+    """The least memory any assignment needs: its memory and the transient cap it runs under, together."""
+    order = _order(domains, [f.variables() for f in factors])
+    least = INF
+    for cap in caps:
+        small = minimize(domains, factors, LEAST, cap, None, order)
+        if math.isfinite(small.time):
+            least = min(least, small.mem + (0.0 if math.isinf(cap) else cap))
+    return least
 
 
 def _expand(domains, factors, room, cap, order, masks, best, queue) -> Result | None:
@@ -254,7 +271,7 @@ def _hull(domains, factors, room, cap, order, masks) -> tuple[Result | None, flo
         return None, INF, None
     if fast.mem <= room:
         return fast, fast.time, None
-    small = minimize(domains, factors, 1e12, cap, masks, order)  # the least memory (time breaks ties)
+    small = minimize(domains, factors, LEAST, cap, masks, order)  # the least memory (time breaks ties)
     if not math.isfinite(small.time) or small.mem > room:
         return None, INF, None
     lo, hi = fast, small

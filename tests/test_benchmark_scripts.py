@@ -78,7 +78,7 @@ ROWS: dict[str, dict[str, int | range]] = {
     | {rf"# commlib shrink \+ warm spare: training loop {NUM} s uninterrupted, {NUM} s killed: -?{NUM} s lost": 1},
     # The globalview benchmarks (their smoke modes are their authors'): every method, every fully sharded batch
     "gv_train.py": {rf"{name} +{NUM} +{NUM} +{NUM}x +{NUM}x": 1 for name in GV_TRAIN}
-    | {"# fully sharded .*": 1, rf"\d+ +{NUM} +{NUM} +{NUM}x .*": SOME},
+    | {"# fully sharded .*": 1, rf"\d+ +{NUM} +{NUM} +{NUM}x +{NUM} +{NUM}x +{NUM}x .*": SOME, "# floor: .*": 1},
     # per model "## gpt (2 ranks, smoke): 8 samples per rank", a row per plan, the plan under a memory budget
     "gv_auto.py": {rf"## {model} \(2 ranks, smoke\): .*": 1 for model in GV_MODELS}
     | {rf"{plan} +{NUM} .*": SOME for plan in GV_PLANS}

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from globalview._search import Factor, minimize, solve
+from globalview._search import Factor, least_memory, minimize, solve
 
 
 def _problem(rng: np.random.Generator, n: int, d: int, cands: int = 4) -> tuple[list[int], list[Factor]]:
@@ -83,6 +83,27 @@ def test_solve_reports_an_infeasible_budget() -> None:
     least = minimize(domains, factors, lam=1e9).mem
     assert solve(domains, factors, least * 0.5) is None
     assert solve(domains, factors, least * 1.0001) is not None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_node_limit_still_gives_a_plan_that_fits(seed: int) -> None:
+    """The search stops at its node limit before any hull walk: a budget some plan fits still gets one (the least
+    memory's, at worst), never "no plan fits"."""
+    domains, factors = _problem(np.random.default_rng(200 + seed), 5, 2)
+    low, high = minimize(domains, factors, lam=1e9).mem, minimize(domains, factors).mem
+    budget = (low + high) / 2
+    found = solve(domains, factors, budget, max_nodes=0)
+    assert found is not None and found.mem <= budget
+    assert found.time >= _brute(domains, factors, budget) * (1 - 1e-12)
+
+
+def test_least_memory_counts_the_transient_it_runs_under() -> None:
+    f = Factor((), 0, np.array([0, 1]), np.array([1.0, 2.0]), np.array([10.0, 30.0]), peak=np.array([50.0, 0.0]))
+    assert least_memory([2], [f], [0.0, 50.0]) == 30.0  # 30 + 0 beats 10 + 50
+    g = Factor((), 0, np.array([0, 1]), np.array([1.0, 2.0]), np.array([10.0, 80.0]), peak=np.array([50.0, 0.0]))
+    assert least_memory([2], [g], [0.0, 50.0]) == 60.0
+    assert solve([2], [g], budget=59.0, caps=[0.0, 50.0]) is None
+    assert solve([2], [g], budget=60.0, caps=[0.0, 50.0]).values == [0]
 
 
 def test_transient_caps_exclude_what_does_not_fit() -> None:
