@@ -8,9 +8,14 @@ marked ``fresh_ranks`` starts new processes for its calls, as every other module
 warm ranks off (every call a new job).
 """
 
+import fcntl
+import json
 import os
 import shutil
+import subprocess
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +68,39 @@ def _fresh_ranks_for_the_test(request: pytest.FixtureRequest):
         return
     with fresh_ranks():
         yield
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subprocess.CompletedProcess]:
+    """``once_per_run(key, cmd, **kw)``: ``subprocess.run(cmd, capture_output=True, text=True, **kw)`` run once for
+    the whole test run, its result shared by every test and every xdist worker that asks for ``key`` (a reference
+    run several modules compare against: started once, not once per module and worker). The result lives in the
+    run's own temporary folder, so a later run starts it again."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER") is not None
+    shared = tmp_path_factory.getbasetemp().parent if workers else tmp_path_factory.getbasetemp()
+    mine: dict[str, subprocess.CompletedProcess] = {}
+
+    def run(key: str, cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        if key in mine:
+            return mine[key]
+        path = Path(shared) / f"once-{key}.json"
+        with open(f"{path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker running it: wait for its result
+            if path.is_file():
+                proc = subprocess.CompletedProcess(**json.loads(path.read_text()))
+            else:
+                proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+                record = {
+                    "args": proc.args,
+                    "returncode": proc.returncode,
+                    "stdout": proc.stdout,
+                    "stderr": proc.stderr,
+                }
+                path.write_text(json.dumps(record))
+        mine[key] = proc
+        return proc
+
+    return run
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from commlib.launch._mpiexec import find_mpiexec
+from reference_runs import torch_eval_under_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torch_distributed_eval.py"
@@ -37,15 +36,15 @@ def _eval_output(stdout: str) -> list[str]:
     return [line for line in lines if line.startswith(keys)]
 
 
-def test_torch_distributed_script_runs_unchanged_under_mpiexec() -> None:
+def test_torch_distributed_script_runs_unchanged_under_mpiexec(once_per_run) -> None:
     pytest.importorskip("torch")
-    proc = _run([find_mpiexec(), "-n", "3", sys.executable, str(EXAMPLE)])
+    proc = torch_eval_under_mpiexec(once_per_run, 3)  # the run tests/test_launchers.py compares every launcher with
     assert proc.returncode == 0, proc.stderr
     out = _eval_output(proc.stdout)
     assert out[0] == "world size 3" and len(out) == 6, proc.stdout
 
 
-def test_torch_distributed_script_gives_the_same_answers_as_torch(tmp_path: Path) -> None:
+def test_torch_distributed_script_gives_the_same_answers_as_torch(tmp_path: Path, once_per_run) -> None:
     """The same script with ``import torch.distributed as dist`` under torchrun (gloo) prints the same lines."""
     pytest.importorskip("torch")
     torch_version = tmp_path / "torch_eval.py"
@@ -56,7 +55,8 @@ def test_torch_distributed_script_gives_the_same_answers_as_torch(tmp_path: Path
             "import commlib as dist  # was: import torch.distributed as dist", "import torch.distributed as dist"
         )
     )
-    ours = _run([find_mpiexec(), "-n", "3", sys.executable, str(EXAMPLE)])
+    ours = torch_eval_under_mpiexec(once_per_run, 3)
+    assert ours.returncode == 0, ours.stderr[-3000:]
     theirs = _run(
         [
             sys.executable,

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 from ports import free_port
-
-from commlib.launch._mpiexec import find_mpiexec
+from reference_runs import clean_env, torch_eval_under_mpiexec
 
 torch = pytest.importorskip("torch")
 
@@ -23,9 +22,7 @@ EMULATOR = {"COMMLIB_NCCL_EMULATOR": "1"}
 
 
 def _run(cmd: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL"))}
-    full |= {"OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=clean_env(env))
 
 
 def _answers(proc: subprocess.CompletedProcess) -> list[str]:
@@ -35,9 +32,9 @@ def _answers(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def under_mpiexec() -> dict[int, list[str]]:
+def under_mpiexec(once_per_run) -> dict[int, list[str]]:
     """The example's answers on 3 and 4 ranks under mpiexec: what every other launcher must print."""
-    runs = {n: _answers(_run([find_mpiexec(), "-n", str(n), sys.executable, str(EXAMPLE)])) for n in (3, 4)}
+    runs = {n: _answers(torch_eval_under_mpiexec(once_per_run, n)) for n in (3, 4)}
     assert runs[3][0] == "world size 3" and len(runs[3]) == 6, runs
     return runs
 
