@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -121,7 +122,7 @@ def save(machine: Machine) -> None:
         data = {}
     data[machine.key] = machine.to_json()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # jobs on one machine share the file: a name each
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
 
