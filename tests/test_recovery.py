@@ -108,6 +108,65 @@ def test_torch_shrink_group_on_the_commlib_backend() -> None:
     assert all(p.first("shrunk")["default"] for p in job.survivors())
 
 
+TORCH_DDP = """
+import datetime, gc
+import torch
+import torch.distributed as tdist
+from torch import nn
+torch.set_num_threads(1)
+tdist.init_process_group(backend="commlib", timeout=datetime.timedelta(seconds=30))
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+x = torch.randn(32, 8, generator=torch.Generator().manual_seed(RANK))
+y = x[:, :2] * 2.0
+
+def step(model):
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+ddp = nn.parallel.DistributedDataParallel(net)
+for _ in range(3):
+    step(ddp)
+event("ready")
+failed = None
+try:
+    while True:
+        step(ddp)
+except RuntimeError as e:  # DDP's reducer reads the failed bucket's future in C++: torch raises its RuntimeError
+    failed = str(e)[:600]
+event("raised", error=failed)
+del ddp
+gc.collect()  # the old reducer's hooks leave the parameters with it
+tdist.shrink_group([2])
+ddp = nn.parallel.DistributedDataParallel(net)  # over the shrunk default group: rank 0's weights to the others
+for _ in range(5):
+    step(ddp)
+w = torch.cat([p.detach().flatten() for p in net.parameters()])
+lo, hi = w.clone(), w.clone()
+tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
+tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
+event("done", size=tdist.get_world_size(), same=bool(torch.equal(lo, hi)))
+tdist.destroy_process_group()
+"""
+
+
+def test_torch_ddp_survivors_raise_naming_the_dead_rank_then_shrink_and_train() -> None:
+    """torch's DDP on backend "commlib": a peer killed mid-training makes backward() raise on every survivor with
+    commlib's message (before: the survivor died of a segmentation fault in DDP's reducer, which read a failed
+    bucket's result as if it held tensors); the survivors shrink the group, wrap the model again and train on."""
+    job = run(3, TORCH_DDP, kills=[Kill([2], "ready", delay=0.3)], store="rank0", deadline=180)
+    assert not job.hung, job.report()
+    survivors = job.survivors()
+    assert len(survivors) == 2
+    for p in survivors:
+        assert p.proc.returncode == 0, job.report()  # a segmentation fault is -11
+        error = p.first("raised")["error"]
+        assert "RankFailedError" in error and "rank 2 (global rank 2)" in error and "died" in error, error
+        assert p.first("done") == {**p.first("done"), "size": 2, "same": True}, job.report()
+
+
 GROW = """
 dist.init_process_group(timeout=30)
 if RANK < 0:  # the newcomer: the members took it in

@@ -66,6 +66,7 @@ class TorchWork(dist.Work):
         self._done = threading.Event()
         self._claimed = False  # set (under LOCK) by the one thread that completes the work
         self._future: torch.futures.Future = torch.futures.Future()
+        self._failing: torch.futures.Future | None = None  # get_future's: failed in C++ too when the op fails
         self._source: Callable[[Any], int] | None = None  # recv from any source: commlib Work -> group rank
         self._last = works[-1] if works else None
         self._before: Callable[[], None] | None = None  # posts this work first (queued nccl point-to-point)
@@ -155,8 +156,20 @@ class TorchWork(dist.Work):
     source_rank = _source_rank
 
     def get_future(self) -> torch.futures.Future:
-        """A future completed with the output tensors (DDP chains its bucket handling on it)."""
-        return self._future
+        """A future completed with the output tensors, or failed with the op's error (DDP chains its bucket
+        handling on it, and reads it in C++)."""
+        if self._failing is None:
+            self._failing = self._future.then(_value_or_raise)
+        return self._failing
+
+
+def _value_or_raise(future: torch.futures.Future) -> Any:
+    """The value of ``future``, whose error (if it failed) is raised here: the future ``then`` returns is then
+    failed in C++ as well. torch's Python ``Future.set_exception`` completes a future in C++ with the exception
+    object as its *value*: DDP's reducer, which reads a bucket's result in C++, took the first tensor of a value
+    that holds none and the process died of a segmentation fault when a peer died mid-step. Now ``backward()``
+    raises a ``RuntimeError`` that carries commlib's message (which rank failed, in which call)."""
+    return future.value()
 
 
 def _nbytes(tensors: Any) -> int:
