@@ -45,14 +45,15 @@ class placement(Frozen):
     tuple of two sbp values, one per mesh axis.
     """
 
-    __slots__ = ("_key", "_mesh", "_type")
+    __slots__ = ("_coords", "_hash", "_key", "_lines", "_mesh", "_type")
     _what = "placements"
 
     def __init__(self, type: str, ranks: Any) -> None:
         if type not in TYPES:
             raise ValueError(f"globalview.placement: type must be one of {TYPES}, got {type!r}")
         mesh = _mesh(ranks)
-        self._freeze(type=type, mesh=mesh, key=(type, mesh.shape, tuple(mesh.ravel().tolist())))
+        key = (type, mesh.shape, tuple(mesh.ravel().tolist()))
+        self._freeze(type=type, mesh=mesh, key=key, hash=hash(key), coords={}, lines={})  # coords, lines: memos
 
     @property
     def type(self) -> str:
@@ -80,10 +81,15 @@ class placement(Frozen):
     def coords(self, rank: int) -> tuple[int, ...] | None:
         """``rank``'s position in the mesh, or ``None`` when it is not part of it."""
         try:
+            return self._coords[rank]
+        except KeyError:
+            pass
+        try:
             i = self.flat.index(rank)
         except ValueError:
             return None
-        return tuple(int(c) for c in np.unravel_index(i, self._mesh.shape))
+        found = self._coords[rank] = tuple(int(c) for c in np.unravel_index(i, self._mesh.shape))
+        return found
 
     def line(self, coords: tuple[int, ...], axis: int) -> tuple[int, ...]:
         """The ranks that share every coordinate of ``coords`` but the one on ``axis``."""
@@ -93,8 +99,10 @@ class placement(Frozen):
 
     def lines(self, axis: int) -> list[tuple[int, ...]]:
         """All the mesh's lines along ``axis``, in row-major order of the other coordinates."""
-        moved = np.moveaxis(self._mesh, axis, -1).reshape(-1, self._mesh.shape[axis])
-        return [tuple(int(r) for r in row) for row in moved]
+        if (found := self._lines.get(axis)) is None:
+            moved = np.moveaxis(self._mesh, axis, -1).reshape(-1, self._mesh.shape[axis])
+            found = self._lines[axis] = tuple(tuple(int(r) for r in row) for row in moved)
+        return list(found)
 
     def __contains__(self, rank: object) -> bool:
         return rank in self.flat
@@ -105,7 +113,7 @@ class placement(Frozen):
         return self._key == other._key
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __repr__(self) -> str:
         return f"globalview.placement(type={self._type!r}, ranks={self._mesh.tolist()})"

@@ -24,6 +24,7 @@ splits pad every piece to the largest, run one collective, then trim).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,7 +214,14 @@ def same_placement(shape, dtype, pl: Placement, src, dst) -> list[Step]:
 
 def plan(shape, dtype, src: tuple[Placement, tuple], dst: tuple[Placement, tuple]) -> Plan:
     """The plan that turns ``shape``/``dtype`` from ``src`` = (placement, sbp) into ``dst``."""
-    shape, dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+    key = (src[0], tuple(src[1])), (dst[0], tuple(dst[1]))
+    return _planned(tuple(int(n) for n in shape), np.dtype(dtype), *key)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _planned(shape: tuple[int, ...], dtype: np.dtype, src: tuple, dst: tuple) -> Plan:
+    """:func:`plan`, once per question: a pure function, which a search asks the same questions many times (the
+    operators of equal layers, every candidate layout of a tensor's consumers)."""
     (spl, ssbp), (dpl, dsbp) = src, dst
     if spl == dpl:
         return Plan(shape, dtype, src, dst, tuple(same_placement(shape, dtype, spl, ssbp, dsbp)))

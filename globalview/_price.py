@@ -136,6 +136,7 @@ class Pricer:
         return owner
 
     # -- sizes -------------------------------------------------------------------------------
+    @functools.cache  # noqa: B019 - asked for the same few (shape, layout) pairs all through a search
     def local(self, shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
         """The first rank's part (the largest, under uneven splits)."""
         return block_shape(shape, self.pl.hierarchy, layout, self.coords)
@@ -191,13 +192,17 @@ class Pricer:
 
     def edge(self, index: int, i: int, src: Layout, dst: Layout) -> Edge:
         """Input ``i`` of node ``index`` boxed from ``src`` to ``dst``: forward, backward, kept and transient bytes."""
+        return self._edge(self._input(index, i), src, dst)
+
+    @functools.cache  # noqa: B019
+    def _input(self, index: int, i: int) -> tuple:
+        """What prices input ``i`` of node ``index``'s boxing, besides the two layouts."""
         node = self.trace.nodes[index]
         others = any(g for j, g in enumerate(node.grads) if j != i)
         source = node.sources[i]
         owns = self.owner.get(source) == index and not source.startswith("input:")  # inputs: see held()
         dies = source.startswith("node:") and source not in self.owner  # kept by no operator: freed after its use
-        what = (node.shapes[i], node.dtypes[i], node.grads[i], node.params[i], node.saved[i], others, owns, dies)
-        return self._edge(what, src, dst)
+        return (node.shapes[i], node.dtypes[i], node.grads[i], node.params[i], node.saved[i], others, owns, dies)
 
     @functools.cache  # noqa: B019 - the pricer lives for one planning (equal operators of equal blocks share)
     def _edge(self, what: tuple, src: Layout, dst: Layout) -> Edge:

@@ -19,12 +19,12 @@ __all__ = ["SbpParallel", "broadcast", "partial_max", "partial_min", "partial_su
 class SbpParallel(Frozen):
     """One axis's distribution: kind ``"S"``, ``"B"`` or ``"P"`` (with ``reduce`` ``sum``/``max``/``min``)."""
 
-    __slots__ = ("_dim", "_kind", "_reduce")
+    __slots__ = ("_dim", "_hash", "_kind", "_reduce")
 
     _what = "sbp values"
 
     def __init__(self, kind: str, dim: int | None = None, reduce: str | None = None) -> None:
-        self._freeze(kind=kind, dim=dim, reduce=reduce)
+        self._freeze(kind=kind, dim=dim, reduce=reduce, hash=hash((kind, dim, reduce)))
 
     @property
     def kind(self) -> str:
@@ -62,7 +62,7 @@ class SbpParallel(Frozen):
         return (self._kind, self._dim, self._reduce) == (other._kind, other._dim, other._reduce)
 
     def __hash__(self) -> int:
-        return hash((self._kind, self._dim, self._reduce))
+        return self._hash  # computed once: layouts are dictionary keys throughout a plan's search
 
     def __str__(self) -> str:
         if self._kind == "S":
