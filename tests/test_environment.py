@@ -114,3 +114,44 @@ def test_mpiexec_inside_a_slurm_allocation_trusts_pmi() -> None:
 
 def test_compressed_nodelist_mixed_with_plain_hosts() -> None:
     assert expand_hostlist("gpu[01-04,07],cpu3") == ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "cpu3"]
+
+
+def test_mpich_yields_in_its_blocking_waits_only_where_ranks_outnumber_cores() -> None:
+    """commlib.backends._mpich.before_init: MPIR_CVAR_ENABLE_HEAVY_YIELD=1 where the node's ranks outnumber this
+    process's cores (hydra's MPI_LOCALNRANKS, torchrun's LOCAL_WORLD_SIZE), nothing otherwise; a user's own value,
+    under any of MPICH's spellings, wins."""
+    import os
+
+    from commlib.backends._mpich import HEAVY_YIELD, before_init
+
+    cores = len(os.sched_getaffinity(0))
+    hydra = {"PMI_RANK": "0", "PMI_SIZE": str(cores + 1), "MPI_LOCALNRANKS": str(cores + 1)}
+    env = dict(hydra)
+    assert before_init(env) and env[HEAVY_YIELD] == "1"
+    env = {"RANK": "0", "WORLD_SIZE": str(2 * cores + 2), "LOCAL_WORLD_SIZE": str(cores + 1)}
+    assert before_init(env) and env[HEAVY_YIELD] == "1"
+    for fits in ({**hydra, "MPI_LOCALNRANKS": str(cores)}, {}, {"RANK": "0", "WORLD_SIZE": "1"}):
+        env = dict(fits)
+        assert not before_init(env) and HEAVY_YIELD not in env, fits
+    for spelling in (HEAVY_YIELD, "MPICH_ENABLE_HEAVY_YIELD"):
+        env = {**hydra, spelling: "0"}
+        assert not before_init(env) and env[spelling] == "0" and len(env) == len(hydra) + 1
+    env = {**hydra, "MPI_LOCALNRANKS": "two"}  # malformed: init_process_group names it, this leaves it
+    assert not before_init(env) and HEAVY_YIELD not in env
+
+
+def test_importing_commlib_sets_the_heavy_yield_before_mpi_starts() -> None:
+    """In a process hydra would start as one of more ranks than cores, importing commlib sets it (before mpi4py
+    runs MPI_Init); in one that fits, it does not."""
+    import os
+    import subprocess
+    import sys
+
+    cores = len(os.sched_getaffinity(0))
+    code = "import os, commlib, mpi4py.MPI; print(os.environ.get('MPIR_CVAR_ENABLE_HEAVY_YIELD'))"
+    base = {k: v for k, v in os.environ.items() if "HEAVY_YIELD" not in k and not k.startswith(("PMI", "MPI_"))}
+    for local, want in ((cores + 1, "1"), (1, "None")):
+        env = {**base, "PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALNRANKS": str(local)}
+        env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "PMI_SIZE": str(local)}, capture_output=True)
+        assert out.stdout.decode().split() == [want], out
