@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -257,17 +256,12 @@ def child(args: argparse.Namespace) -> None:
 # ----- the parent: two jobs, then the table and the plot -----
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job(kind: str, argv: list[str], out: str) -> list[dict]:
     """Run one 2-rank job of this script and return its cells."""
+    from commlib._sockets import free_port
     from commlib.launch._mpiexec import find_mpiexec
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}  # below the ephemeral range
     env["COMMLIB_NCCL_EMULATOR"] = "1" if kind == "emulator" else "0"
     cmd = [find_mpiexec(), "-n", str(NRANKS), sys.executable, __file__, *argv, "--child", kind, "--out", out]
     cmd += ["--progress"] if sys.stderr.isatty() else []  # the ranks see pipes: the parent decides

@@ -76,11 +76,9 @@ def _env() -> dict[str, str]:
 
 
 def _port() -> int:
-    import socket
+    from commlib._sockets import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range: no outgoing connection takes it before the launcher listens
 
 
 def one_kill(n: int, victim: int = 2, timeout: float = 120.0) -> dict[str, float] | None:

@@ -1,40 +1,8 @@
-"""A TCP port for a test's server to listen on, chosen so that no outgoing connection can take it first."""
+"""A TCP port for a test's server to listen on, chosen so that no outgoing connection can take it first
+(:func:`commlib._sockets.free_port`, which the benchmarks use too)."""
 
 from __future__ import annotations
 
-import os
-import random
-import socket
+from commlib._sockets import free_port
 
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's range for outgoing connections (32768 when it cannot be read)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now, below the ephemeral range.
-
-    A port from ``bind(0)`` lies inside the range every outgoing connection (MPI's, a store
-    client's) takes its local port from, so one of them can hold it before the test's server
-    listens (seen in CI as EADDRINUSE from torch's TCPStore). Below the range, only listeners
-    take ports.
-    """
-    low = _ephemeral_low()
-    pick = random.Random(os.getpid() * 1_000_003 + os.urandom(4)[0])
-    for _ in range(200):
-        port = pick.randrange(min(20000, low // 2), low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # every try taken: fall back on the kernel's choice
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-        return int(port)
+__all__ = ["free_port"]
