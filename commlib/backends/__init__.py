@@ -17,10 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from commlib.backends import _mpich
-
-_mpich.before_init()  # before any module of this package imports mpi4py (MPI_Init reads it)
-
 __all__ = [
     "REPORTED",
     "ALIASES",
