@@ -6,6 +6,7 @@ real processes; the workers are plain Python loops unless the test is about comm
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -97,6 +98,24 @@ def _pid(tmp_path: Path, tag: str, launcher: _Launcher, timeout: float = 30) -> 
     return int(path.read_text())
 
 
+def _watching(launcher: _Launcher, n: int, timeout: float = 30) -> None:
+    """Wait until the launcher holds ``n`` pidfds: it watches every worker's end (commlib.launch._supervise opens
+    them as the workers note their pids; a launcher frozen before that finds the late ones dead by polling, after
+    the others, and the order of the deaths is lost)."""
+    end = time.monotonic() + timeout
+    while True:
+        held = 0
+        with contextlib.suppress(OSError):  # the launcher's descriptors come and go while they are read
+            for fd in os.listdir(f"/proc/{launcher.proc.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    held += os.readlink(f"/proc/{launcher.proc.pid}/fd/{fd}") == "anon_inode:[pidfd]"
+        if held >= n:
+            return
+        assert launcher.proc.poll() is None, "".join(launcher.err)
+        assert time.monotonic() < end, f"the launcher watched {held} of {n} workers after {timeout} s"
+        time.sleep(0.01)
+
+
 def _ended(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
@@ -136,6 +155,7 @@ def test_abort_names_the_rank_that_died_first(workers: str, tmp_path: Path) -> N
     cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "4", str(script), str(tmp_path)]
     launcher = _Launcher(cmd, COMMLIB_TIMEOUT="30")
     pids = [_pid(tmp_path, f"rank{r}", launcher) for r in range(4)]
+    _watching(launcher, 4)  # frozen before it watches them all, the launcher could not know the order of the ends
     os.kill(launcher.proc.pid, signal.SIGSTOP)
     try:
         os.kill(pids[2], signal.SIGKILL)
