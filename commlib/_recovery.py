@@ -245,7 +245,7 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None)
             "reachable; that may be a network partition, where the other side goes on too: the survivors go on only "
             "when they are more than half of the group, or half of it with its rank 0"
         )
-    with _guard(mesh, decision.kept, f"{label}{call} on group {g.name!r}"):
+    with _guard(mesh, decision.kept, f"{label}{call} on group {g.name!r}", g.timeout):
         new_backend = backend.shrink(keep, decision.attempt, g.timeout, decision.payload, bool(decision.failed))
     me = keep.index(g.rank)
     if g is st.world:  # the new default group; every other group ends
@@ -298,19 +298,27 @@ def _check_exclusions(ranks: Any, g: ProcessGroup, label: str) -> None:
 
 
 @contextlib.contextmanager
-def _guard(mesh: lifelines.Lifelines, kept: list[int], what: str) -> Any:
+def _guard(mesh: lifelines.Lifelines, kept: list[int], what: str, timeout: float) -> Any:
     """While the backend makes the survivors' communicator (a blocking call of the engine that no one can
     interrupt): should a kept rank die meanwhile, it would wait for good, so this process ends instead, saying
-    why (exit status 1). The survivors confirmed each other alive just before: that window is milliseconds."""
+    why (exit status 1). The survivors confirmed each other alive just before: that window is milliseconds.
+    Should the making outlast ``timeout`` (and the backend's own deadline, 2 s sooner) with every kept rank
+    alive, the engine is stuck (see ``MpiBackend.shrink``): this process ends too, saying so."""
     done = threading.Event()
+    due = time.monotonic() + timeout + 2.0
 
     def look() -> None:
         while not done.wait(0.05):
             dead = sorted(set(mesh.failed()) & set(kept))
-            if dead and not done.is_set():
+            late = time.monotonic() > due
+            if (dead or late) and not done.is_set():
+                why = (
+                    f"processes {dead} died while the survivors made their new communicator"
+                    if dead
+                    else f"not every rank set up the communicator within {timeout + 2.0:g} s"
+                )
                 print(
-                    f"{what}: processes {dead} died while the survivors made their new communicator, which the "
-                    "engine cannot cancel; this process ends (exit status 1)",
+                    f"{what}: {why}, which the engine cannot cancel; this process ends (exit status 1)",
                     file=sys.stderr,
                     flush=True,
                 )

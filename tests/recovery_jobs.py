@@ -166,6 +166,31 @@ def run(
     return Job(processes, list(kills or []), hung, seconds)
 
 
+#: what a survivor says when the survivors' new MPI communicator never formed (MpiBackend.shrink, _recovery._guard)
+STALLED = "not every rank set up the communicator within"
+
+
+def stalled(job: Job) -> bool:
+    """Whether the survivors' new MPI communicator never formed, each survivor ending with an error that says so
+    (no hang, no wrong value). The likely cause, seen in 5 of 200 kills on 4 ranks over 2 cores and in 0 of 230
+    with UCX kept off shared memory: the victim died while it wrote into a survivor's UCX shared-memory queue,
+    which its owner then reads no further (docs/reliability.md). Off shared memory, a send to the dead crashes
+    inside MPI instead, so commlib keeps it on."""
+    return not job.hung and any(
+        STALLED in p.err or any(STALLED in (e.get("error") or "") for e in p.events) for p in job.processes
+    )
+
+
+def run_again_if_stalled(n: int, program: str, **kw: Any) -> Job:
+    """:func:`run`, and once more if the survivors' new communicator never formed (:func:`stalled`), saying so
+    in the test's output rather than hiding it; a second stall is the test's failure."""
+    job = run(n, program, **kw)
+    if stalled(job):
+        print(f"\nthe survivors' new communicator never formed ({job.seconds:.0f} s): running the job again")
+        job = run(n, program, **kw)
+    return job
+
+
 def _read_out(p: Process, lock: threading.Condition) -> None:
     assert p.proc.stdout is not None
     for line in p.proc.stdout:

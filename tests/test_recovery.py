@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from recovery_jobs import Job, Kill, run
+from recovery_jobs import Job, Kill, run, run_again_if_stalled
 from reference import BACKENDS
 
 # an all_reduce loop; the survivors of a death shrink the group and check 21 all_reduces on it
@@ -63,14 +63,14 @@ def _check_recovery(job: Job, victim: int, n: int) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize(("n", "backend"), [(4, "mpi"), (8, "mpi"), (4, "nccl")])
 def test_every_survivor_is_told_within_2_s_and_the_shrunk_group_is_right(n: int, backend: str) -> None:
-    job = run(n, LOOP, kills=[Kill([2], "ready", delay=0.3)], env=BACKENDS[backend], deadline=120)
+    job = run_again_if_stalled(n, LOOP, kills=[Kill([2], "ready", delay=0.3)], env=BACKENDS[backend], deadline=120)
     times = _check_recovery(job, 2, n)
     print(f"\n{n} ranks, {backend}: s after the kill: " + ", ".join(f"{k} {max(v):.2f}" for k, v in times.items()))
 
 
 def test_the_death_of_the_rank_that_serves_the_store() -> None:
     # rank 0 serves the rendezvous store (plain env://): the survivors still agree (over their lifelines) and go on
-    job = run(4, LOOP, kills=[Kill([0], "ready", when_rank=1, delay=0.3)], store="rank0")
+    job = run_again_if_stalled(4, LOOP, kills=[Kill([0], "ready", when_rank=1, delay=0.3)], store="rank0")
     _check_recovery(job, 0, 4)
 
 
@@ -103,7 +103,8 @@ except dist.RankFailedError as e:
 
 
 def test_torch_shrink_group_on_the_commlib_backend() -> None:
-    job = run(4, TORCH_LOOP, kills=[Kill([2], "ready", delay=0.3)], store="rank0", deadline=180)  # torch serves it
+    kills = [Kill([2], "ready", delay=0.3)]
+    job = run_again_if_stalled(4, TORCH_LOOP, kills=kills, store="rank0", deadline=180)  # torch serves it
     _check_recovery(job, 2, 4)
     assert all(p.first("shrunk")["default"] for p in job.survivors())
 
@@ -156,7 +157,7 @@ def test_torch_ddp_survivors_raise_naming_the_dead_rank_then_shrink_and_train() 
     """torch's DDP on backend "commlib": a peer killed mid-training makes backward() raise on every survivor with
     commlib's message (before: the survivor died of a segmentation fault in DDP's reducer, which read a failed
     bucket's result as if it held tensors); the survivors shrink the group, wrap the model again and train on."""
-    job = run(3, TORCH_DDP, kills=[Kill([2], "ready", delay=0.3)], store="rank0", deadline=180)
+    job = run_again_if_stalled(3, TORCH_DDP, kills=[Kill([2], "ready", delay=0.3)], store="rank0", deadline=180)
     assert not job.hung, job.report()
     survivors = job.survivors()
     assert len(survivors) == 2
@@ -203,7 +204,7 @@ def test_a_newcomer_joins_the_shrunk_group_and_receives_its_state(backend: str) 
     """Two spares wait (COMMLIB_SPARE, as commlib.launch --spares starts them); grow_group(at_most=1) takes one
     in; the other is sent home, exit 0, when the job's rank 0 ends."""
     env = BACKENDS[backend] | {"COMMLIB_SPARE": "0"}
-    job = run(4, GROW, kills=[Kill([2], "ready", delay=0.3)], newcomers=["shrunk", "shrunk"], env=env)
+    job = run_again_if_stalled(4, GROW, kills=[Kill([2], "ready", delay=0.3)], newcomers=["shrunk", "shrunk"], env=env)
     assert not job.hung, job.report()
     done = [p.first("done") for p in job.survivors() if p.first("joined") is not None or p.rank >= 0]
     assert all(d is not None for d in done), job.report()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import os
 import time
 import warnings
 import zlib
@@ -27,6 +28,7 @@ from typing import Any, cast
 import numpy as np
 from mpi4py import MPI
 
+from commlib._environment import mpi_launched
 from commlib._ops import ReduceOp
 from commlib._settings import value as setting
 from commlib.backends import _native, _stamp, _steps
@@ -415,7 +417,12 @@ class MpiBackend(Backend):
         finally:
             kept.Free()
         backend = MpiBackend(cast(MPI.Intracomm, comm))
-        backend.prepare(timeout)
+        try:
+            backend.prepare(timeout)
+        except CommTimeoutError as e:
+            if died and _on_shared_memory():
+                raise CommTimeoutError(f"{e}; {_SHARED_MEMORY_HINT}") from None
+            raise
         return backend
 
     def grow(self, newcomers: int, store: Any, timeout: float, payload: Any) -> MpiBackend:
@@ -453,6 +460,19 @@ class MpiBackend(Backend):
 
 
 _COMPOSED = ("all_to_all", "gather", "scatter")
+_SHARED_MEMORY_HINT = (
+    "a survivor's shared-memory queue is likely blocked for good: a rank killed while it wrote a message into "
+    "it (UCX's shared memory, between ranks that met through the store) never marked the message written, and "
+    "its owner reads nothing after it (docs/reliability.md); restart the job"
+)
+
+
+def _on_shared_memory() -> bool:
+    """Whether this process's peers on its host write into its UCX shared-memory queue (ranks that met through
+    the store, with UCX's transports left to UCX)."""
+    return not mpi_launched() and "UCX_TLS" not in os.environ
+
+
 _SHRINK_TAG = 4096  # MPI_Comm_create_group's tags for shrink_group (one per attempt of the survivors' agreement)
 
 
