@@ -462,3 +462,33 @@ def test_a_second_world_finds_its_store_when_it_starts_late(backend: str) -> Non
     the address arrived: no store, no lifelines, and (4 ranks, loaded CI) a first call that hung."""
     for r in run(late_store_in_a_second_world_job, 3, env=BACKENDS[backend], timeout=120):
         assert r == {"store": None, "lifelines": True, "gathered": [0.0, 1.0, 2.0]}, r
+
+
+def _stale_notice_job() -> str:
+    """Rank 0 gives up on a group ranks 1 and 2 never used (its notices are never read), every rank destroys
+    it, and the next group, of ranks 1 and 2 (MPICH gives them the context ids they freed: rank 0, not a
+    member, has no say), must not read those notices as its own."""
+    import commlib as dist
+
+    dist.init_process_group()
+    me = dist.get_rank()
+    old = dist.new_group([0, 1, 2], timeout=0.3)
+    if me == 0:
+        with pytest.raises(dist.CommTimeoutError):
+            dist.all_reduce(np.ones(4, np.float32), group=old)  # ranks 1 and 2 never call: rank 0 gives up
+    dist.barrier()
+    dist.destroy_process_group(old)
+    new = dist.new_group([1, 2])
+    x = np.full(4, me + 1.0, np.float32)
+    if me > 0:
+        if me == 2:
+            time.sleep(0.5)  # rank 1 waits long enough to look for notices (its wait's slow path)
+        dist.all_reduce(x, group=new)
+    dist.destroy_process_group()
+    return f"{x.tolist()}"
+
+
+def test_a_notice_left_on_a_destroyed_group_does_not_break_the_next() -> None:
+    # A notice carries the nonce its group's ranks agreed on; one sent on an earlier communicator (the same MPI
+    # context id, reused once freed) is dropped: before, rank 1's all_reduce raised "rank 0 gave up on the group".
+    assert run(_stale_notice_job, 3, env=BACKENDS["mpi"]) == ["[1.0, 1.0, 1.0, 1.0]"] + ["[5.0, 5.0, 5.0, 5.0]"] * 2

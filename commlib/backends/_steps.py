@@ -17,6 +17,7 @@ call is abandoned: MPI may still use its buffers).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -184,8 +185,8 @@ class Steps:
 
     native = False
 
-    def __init__(self, plan: Plan, comm: MPI.Intracomm, small: int, tag: int = -1, fail_tag: int = -1):
-        self.plan, self.comm, self.small, self.fail_tag = plan, comm, small, fail_tag
+    def __init__(self, plan: Plan, comm: MPI.Intracomm, small: int, tag: int = -1, notice: Notice | None = None):
+        self.plan, self.comm, self.small, self.notice = plan, comm, small, notice
         self.call = plan.call
         self.nbytes = max(plan.in_len, plan.out_len)
         self.tmp = np.empty(plan.tmp, np.uint8)
@@ -388,7 +389,7 @@ class Steps:
 
     def _slow(self, waited: float) -> None:
         """A long wait's check (base.poll's ``slow``): a peer's notice that it gave up ends it."""
-        gave_up(self.comm, self.fail_tag)
+        gave_up(self.comm, self.notice)
 
     def finish(self, out: Any) -> None:
         """Resident.finish: nothing left (the run completed into the caller's arrays, a root list included)."""
@@ -425,10 +426,16 @@ class NativeSteps:
     """The same executor in C (``_steps.c``): ``go``, ``start`` and ``test`` are the C object's own methods."""
 
     native = True
-    __slots__ = ("c", "call", "comm", "fail_tag", "go", "nbytes", "plan", "start", "test")
+    __slots__ = ("c", "call", "comm", "go", "nbytes", "notice", "plan", "start", "test")
 
     def __init__(
-        self, plan: Plan, comm: MPI.Intracomm, small: int, tag: int = -1, fail_tag: int = -1, block: float = 0.0
+        self,
+        plan: Plan,
+        comm: MPI.Intracomm,
+        small: int,
+        tag: int = -1,
+        notice: Notice | None = None,
+        block: float = 0.0,
     ) -> None:
         stamps = b"".join(
             plan.stamp(s, 0, m.nbytes) for s, step in enumerate(plan.steps, 1) for m in (*step.recvs, *step.sends)
@@ -444,7 +451,7 @@ class NativeSteps:
         self.go, self.start, self.test = self.c.go, self.c.start, self.c.test
         self.call = plan.call
         self.nbytes = max(plan.in_len, plan.out_len)
-        self.plan, self.comm, self.fail_tag = plan, comm, fail_tag
+        self.plan, self.comm, self.notice = plan, comm, notice
 
     @property
     def state(self) -> str:
@@ -476,7 +483,7 @@ class NativeSteps:
 
     def _slow(self, waited: float) -> None:
         """As :meth:`Steps._slow`."""
-        gave_up(self.comm, self.fail_tag)
+        gave_up(self.comm, self.notice)
 
     def finish(self, out: Any) -> None:
         """Resident.finish: nothing left (the C object completed the run, a staged root list included)."""
@@ -489,26 +496,46 @@ class NativeSteps:
         self.c.free()
 
 
-def make(plan: Plan, comm: MPI.Intracomm, small: int, tag: int = -1, fail_tag: int = -1) -> Steps | NativeSteps:
-    """The executor of ``plan``: C where it was built and is on, else Python. ``fail_tag``: the tag of a peer's
-    notice that it gave up on the group (see :func:`gave_up`; -1: none)."""
+def make(
+    plan: Plan, comm: MPI.Intracomm, small: int, tag: int = -1, notice: Notice | None = None
+) -> Steps | NativeSteps:
+    """The executor of ``plan``: C where it was built and is on, else Python. ``notice``: how a peer's notice
+    that it gave up on the group looks (see :func:`gave_up`; None: not looked for)."""
     if _native.Steps is not None:
         nbytes = max(plan.in_len, plan.out_len)
         block = min(nbytes / SLOW_BYTES_PER_S, _BLOCK_MAX) if _blocks(nbytes) else 0.0
-        return NativeSteps(plan, comm, small, tag, fail_tag, block)
-    return Steps(plan, comm, small, tag, fail_tag)
+        return NativeSteps(plan, comm, small, tag, notice, block)
+    return Steps(plan, comm, small, tag, notice)
 
 
-def gave_up(comm: MPI.Intracomm, fail_tag: int) -> None:
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A peer's notice that it gave up on the group (``MpiBackend.abort``): sent with ``tag``, its text begins
+    with ``nonce``, the 8 bytes the group's ranks agreed on when the communicator was made. A notice with
+    another nonce was sent on an earlier communicator that had the same MPI context id (MPICH reuses the id of
+    a freed one, and a notice no one received outlives it): it is read and dropped."""
+
+    tag: int
+    nonce: bytes
+
+    def text(self, reason: str) -> bytes:
+        return self.nonce + (reason.encode()[:2000] or b"(no reason given)")
+
+
+def gave_up(comm: MPI.Intracomm, notice: Notice | None) -> None:
     """Raise ``GroupBrokenError`` (its ``peer`` and ``reason``) if a peer's notice that it gave up on the group
-    (sent by ``MpiBackend.abort`` with ``fail_tag``) is here: a wait for that peer would never end."""
-    if fail_tag < 0:
+    (sent by ``MpiBackend.abort``) is here: a wait for that peer would never end. A stale notice (another
+    nonce, see :class:`Notice`) is read and dropped."""
+    if notice is None:
         return
     status = MPI.Status()
-    if comm.Iprobe(MPI.ANY_SOURCE, fail_tag, status):
+    while comm.Iprobe(MPI.ANY_SOURCE, notice.tag, status):
         text = np.zeros(max(status.Get_count(MPI.BYTE), 0), np.uint8)
-        comm.Recv([text, MPI.BYTE], status.Get_source(), fail_tag)
-        peer, reason = status.Get_source(), text.tobytes().decode(errors="replace")
+        comm.Recv([text, MPI.BYTE], status.Get_source(), notice.tag)
+        data = text.tobytes()
+        if data[: len(notice.nonce)] != notice.nonce:
+            continue
+        peer, reason = status.Get_source(), data[len(notice.nonce) :].decode(errors="replace")
         raise GroupBrokenError(f"group rank {peer} gave up on the group: {reason}", peer=peer, reason=reason)
 
 
