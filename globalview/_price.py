@@ -123,6 +123,12 @@ class Pricer:
         self.coords = self.pl.coords(self.pl.flat[0])
         self.ranks = len(self.pl.flat)
         self.owner = self._owners()
+        # a search asks the same few questions all through (equal operators of equal blocks share): cached, per
+        # pricer (functools.cache on the methods would keep every pricer, and its trace, for good)
+        self.local = functools.cache(self._local)
+        self.plan_time = functools.cache(self._plan_time)
+        self._input = functools.cache(self._input_of)
+        self._edge = functools.cache(self._edge_of)
 
     def _owners(self) -> dict[str, int]:
         """The node whose cost counts a tensor's saved storage: its producer if it saves it, else its first saver."""
@@ -136,8 +142,7 @@ class Pricer:
         return owner
 
     # -- sizes -------------------------------------------------------------------------------
-    @functools.cache  # noqa: B019 - asked for the same few (shape, layout) pairs all through a search
-    def local(self, shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
+    def _local(self, shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
         """The first rank's part (the largest, under uneven splits)."""
         return block_shape(shape, self.pl.hierarchy, layout, self.coords)
 
@@ -156,8 +161,7 @@ class Pricer:
         return math.prod(self.local(shape, layout)) * np.dtype(dtype).itemsize
 
     # -- boxing ------------------------------------------------------------------------------
-    @functools.cache  # noqa: B019
-    def plan_time(self, p: Plan) -> float:
+    def _plan_time(self, p: Plan) -> float:
         """Seconds of one boxing plan on the slowest line: each collective at its per-rank buffer size."""
         total = 0.0
         for s in p.steps:
@@ -194,8 +198,7 @@ class Pricer:
         """Input ``i`` of node ``index`` boxed from ``src`` to ``dst``: forward, backward, kept and transient bytes."""
         return self._edge(self._input(index, i), src, dst)
 
-    @functools.cache  # noqa: B019
-    def _input(self, index: int, i: int) -> tuple:
+    def _input_of(self, index: int, i: int) -> tuple:
         """What prices input ``i`` of node ``index``'s boxing, besides the two layouts."""
         node = self.trace.nodes[index]
         others = any(g for j, g in enumerate(node.grads) if j != i)
@@ -204,8 +207,7 @@ class Pricer:
         dies = source.startswith("node:") and source not in self.owner  # kept by no operator: freed after its use
         return (node.shapes[i], node.dtypes[i], node.grads[i], node.params[i], node.saved[i], others, owns, dies)
 
-    @functools.cache  # noqa: B019 - the pricer lives for one planning (equal operators of equal blocks share)
-    def _edge(self, what: tuple, src: Layout, dst: Layout) -> Edge:
+    def _edge_of(self, what: tuple, src: Layout, dst: Layout) -> Edge:
         shape, dtype, grad, param, saved, others, owns, dies = what
         if _splits_into_partial((src,), (dst,)):
             return Edge(math.inf, 0.0, 0.0, 0.0)

@@ -5,6 +5,9 @@ a step really holds: the inputs' batches, an operator's forward transients, the 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -112,3 +115,14 @@ def test_overheads_are_measured_in_this_process() -> None:
     got = overheads()
     assert got == () or [n for n, _ in got] == [n for n, _ in SIZES]
     assert all(over >= 0 for _, over in got)
+
+
+def test_a_pricer_and_its_caches_go_when_its_planning_is_done() -> None:
+    """Its caches are its own: ``functools.cache`` on its methods kept every pricer, and its trace, for good."""
+    p = _pricer()
+    p._edge(((64, 64), np.dtype(np.float32), True, True, True, True, False, False), (split(0),), (broadcast,))
+    assert p.local((64, 64), (split(0),)) == (32, 64)
+    gone = weakref.ref(p)
+    del p
+    gc.collect()
+    assert gone() is None
