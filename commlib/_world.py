@@ -18,7 +18,7 @@ from commlib._timeouts import as_seconds
 from commlib.backends import REPORTED, Spec, choose
 from commlib.backends import base as _base
 from commlib.backends.base import Backend
-from commlib.errors import CommTimeoutError
+from commlib.errors import CollectiveMismatchError, CommTimeoutError
 
 __all__ = [
     "GroupMember",
@@ -327,6 +327,8 @@ def new_group(
         if not use_local_synchronization:  # a missing member leaves the world's collective half-done
             world.mark_broken(e)
         raise CommTimeoutError(f"{world.label}new_group: {e}") from None
+    except CollectiveMismatchError as e:  # found by every rank alike, before any communicator was made
+        raise CollectiveMismatchError(f"{world.label}new_group: {e}") from None
     name = group_desc or _group_name(members, use_local_synchronization)
     rank = members.index(world.rank) if sub is not None else -1
     g = ProcessGroup(sub, members, rank, name, seconds, world.label)

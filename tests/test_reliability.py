@@ -492,3 +492,27 @@ def test_a_notice_left_on_a_destroyed_group_does_not_break_the_next() -> None:
     # A notice carries the nonce its group's ranks agreed on; one sent on an earlier communicator (the same MPI
     # context id, reused once freed) is dropped: before, rank 1's all_reduce raised "rank 0 gave up on the group".
     assert run(_stale_notice_job, 3, env=BACKENDS["mpi"]) == ["[1.0, 1.0, 1.0, 1.0]"] + ["[5.0, 5.0, 5.0, 5.0]"] * 2
+
+
+def _different_groups_job() -> str:
+    import commlib as dist
+
+    dist.init_process_group()
+    me = dist.get_rank()
+    ranks = [0, 1, 2] if me == 0 else [0, 1]  # rank 0's would be a duplicate, the others' a split
+    with pytest.raises(dist.CollectiveMismatchError) as caught:
+        dist.new_group(ranks, timeout=20)
+    x = np.ones(2, np.float32)
+    dist.all_reduce(x)  # the default group goes on
+    dist.destroy_process_group()
+    return f"{caught.value} | {x.tolist()}"
+
+
+def test_new_group_with_different_ranks_fails_on_every_rank_and_the_world_goes_on() -> None:
+    out = run(_different_groups_job, 3, env=BACKENDS["mpi"])
+    for me, line in enumerate(out):
+        mine = [0, 1, 2] if me == 0 else [0, 1]
+        assert line == (
+            f"[rank {me}/3] new_group: the ranks asked for different groups (this rank: ranks={mine}); every rank "
+            "must pass the same ranks | [3.0, 3.0]"
+        ), line
