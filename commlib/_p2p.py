@@ -13,6 +13,8 @@ from commlib._world import label, resolve
 from commlib.backends._call import Call
 from commlib.backends.base import Backend, Chained
 
+_ndarray = np.ndarray
+
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
@@ -46,22 +48,6 @@ def _tag(g: ProcessGroup, b: Backend, call: str, tag: Any) -> int:
     if tag:
         g.tagged = True  # messages of different tags may overtake: the monitor's counts no longer tell a match
     return tag
-
-
-def _ready(g: Any, kind: str, tensor: Any, peer: Any, tag: Any, group_peer: Any) -> Any:
-    """The backend's ready operation for a blocking send or recv of a numpy array to or from a peer given as a
-    global rank (the key: see ``commlib._collectives``), if it has one; else None: the generic path."""
-    if (
-        type(tensor) is np.ndarray
-        and type(peer) is int
-        and type(tag) is int
-        and group_peer is None
-        and type(g) is ProcessGroup
-        and (ready := g.ready) is not None
-        and not g.pending
-    ):
-        return ready.get((kind, tensor.nbytes, peer, tag))
-    return None
 
 
 def _send_args(
@@ -122,8 +108,19 @@ def send(
 ) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until the buffer may be reused."""
     g: Any = _world.world if group is None else group
-    p = _ready(g, "send", tensor, dst, tag, group_dst)
-    if p is not None and g.run_p2p("send", p, tensor, None):
+    # The common case runs the backend's ready operation for (bytes, global peer, tag) at once (the key: see
+    # ``commlib._collectives``); inlined, as all_reduce's: this function's overhead is most of a small send's.
+    if (
+        type(tensor) is _ndarray
+        and type(dst) is int
+        and type(tag) is int
+        and group_dst is None
+        and type(g) is ProcessGroup
+        and (ready := g.ready) is not None
+        and not g.pending
+        and (p := ready.get(("send", tensor.nbytes, dst, tag))) is not None
+        and g.run_p2p("send", p, tensor, None)
+    ):
         return
     g, c, a = _send_args(tensor, dst, group, tag, group_dst, "send")
     key = ("send", a.nbytes, dst, c.tag) if group_dst is None else None
@@ -135,9 +132,18 @@ def recv(
 ) -> int:
     """Receive into ``tensor`` from global rank ``src`` (None: any rank); returns the sender's global rank."""
     g: Any = _world.world if group is None else group
-    p = _ready(g, "recv", tensor, src, tag, group_src)
-    if p is not None and g.run_p2p("recv", p, None, tensor):
-        return src  # type: ignore[return-value]  # an int: _ready checked
+    if (  # as send's
+        type(tensor) is _ndarray
+        and type(src) is int
+        and type(tag) is int
+        and group_src is None
+        and type(g) is ProcessGroup
+        and (ready := g.ready) is not None
+        and not g.pending
+        and (p := ready.get(("recv", tensor.nbytes, src, tag))) is not None
+        and g.run_p2p("recv", p, None, tensor)
+    ):
+        return src
     g, c, a, back = _recv_args(tensor, src, group, tag, group_src, "recv")
     key = ("recv", a.nbytes, src, c.tag) if group_src is None and back is None and c.root >= 0 else None
     return g.ranks[g.message("recv", c, None, a, key, back)]

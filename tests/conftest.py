@@ -32,6 +32,11 @@ _BASE = os.environ.setdefault("TESTS_TMP_BASE", tempfile.gettempdir())
 _SESSION_TMP = tempfile.mkdtemp(prefix="commlib-tests-", dir=_BASE)
 os.environ["TMPDIR"] = tempfile.tempdir = _SESSION_TMP  # every rank and launcher the tests start inherits it
 
+# globalview measures the machine once per (host, world, mesh) and keeps it in a file: one file for the whole run,
+# shared by the xdist workers (a run measures afresh; its jobs, warm or not, and benchmark smoke runs share it).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.path.basename(_SESSION_TMP)
+os.environ["GLOBALVIEW_CACHE"] = os.path.join(_BASE, f"commlib-tests-globalview-{_RUN}.json")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

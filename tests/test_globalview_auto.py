@@ -91,23 +91,13 @@ def _check_trains(results: list[dict]) -> None:
     assert all(r[n]["layouts"] == results[0][n]["layouts"] for r in results for n in r), "ranks planned differently"
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One machine measurement for the module's jobs (a fresh file: nothing from another run)."""
-    return tmp_path_factory.mktemp("globalview") / "machine.json"
-
-
-def _env(cache: Path) -> dict[str, str]:
-    return {"GLOBALVIEW_CACHE": str(cache)}
-
-
-def test_auto_parallel_trains_like_torch_at_2_ranks(cache: Path) -> None:
-    results = run(trains_job, 2, [0, 1], MODELS, env=_env(cache), timeout=300)
+def test_auto_parallel_trains_like_torch_at_2_ranks() -> None:
+    results = run(trains_job, 2, [0, 1], MODELS, timeout=300)
     _check_trains(results)
 
 
-def test_auto_parallel_trains_like_torch_on_a_2x2_mesh(cache: Path) -> None:
-    results = run(trains_job, 4, [[0, 1], [2, 3]], MODELS, env=_env(cache), timeout=300)
+def test_auto_parallel_trains_like_torch_on_a_2x2_mesh() -> None:
+    results = run(trains_job, 4, [[0, 1], [2, 3]], MODELS, timeout=300)
     _check_trains(results)
 
 
@@ -181,8 +171,8 @@ def _errors(torch, gv, pl, M, first) -> dict[str, str]:
     return out
 
 
-def test_plan_explained_saved_applied_budgeted(cache: Path, tmp_path: Path) -> None:
-    got = run(plan_job, 2, str(tmp_path), env=_env(cache), timeout=300)[0]
+def test_plan_explained_saved_applied_budgeted(tmp_path: Path) -> None:
+    got = run(plan_job, 2, str(tmp_path), timeout=300)[0]
     report = got["report"]
     assert "exact search over" in report and "blocks.0.q" in report, report
     for alt in ("automatic", "data parallel", "fully sharded", "tensor parallel"):
