@@ -38,6 +38,7 @@ from commlib._group import ProcessGroup
 from commlib._settings import value as setting
 from commlib._timeouts import as_seconds
 from commlib.backends import Joining, Place, Spec
+from commlib.backends.base import not_every_rank
 from commlib.errors import CommError, CommTimeoutError, RankFailedError
 from commlib.store import PrefixStore
 
@@ -315,7 +316,7 @@ def _guard(mesh: lifelines.Lifelines, kept: list[int], what: str, timeout: float
                 why = (
                     f"processes {dead} died while the survivors made their new communicator"
                     if dead
-                    else f"not every rank set up the communicator within {timeout + 2.0:g} s"
+                    else not_every_rank("set up the communicator", timeout + 2.0)
                 )
                 print(
                     f"{what}: {why}, which the engine cannot cancel; this process ends (exit status 1)",

@@ -94,6 +94,16 @@ class Meeting(Protocol):
         """Meet the other ``ranks``; return ``ranks[0]``'s ``payload``; :class:`MeetingTimeout` naming who is late."""
 
 
+def setup_timeout(did: str, seconds: float) -> CommTimeoutError:
+    """The error of a communicator's setting up that not every rank reached in time (the words a stalled
+    shrink's watchdog prints too): "not every rank {did} within {seconds} s"."""
+    return CommTimeoutError(not_every_rank(did, seconds))
+
+
+def not_every_rank(did: str, seconds: float) -> str:
+    return f"not every rank {did} within {seconds:g} s"
+
+
 class MeetingTimeout(CommTimeoutError):
     """:meth:`Backend.rendezvous` timed out; ``missing``: the ranks that never arrived (on ``ranks[0]`` only)."""
 

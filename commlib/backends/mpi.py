@@ -36,7 +36,7 @@ from commlib.backends._call import Call
 from commlib.backends._mpi_waits import count_cores, settle
 from commlib.backends._plans import plan
 from commlib.backends._steps import average
-from commlib.backends.base import RESERVED_TAGS, TAG_FAIL, Backend, Handle, ReadyOp, poll
+from commlib.backends.base import RESERVED_TAGS, TAG_FAIL, Backend, Handle, ReadyOp, poll, setup_timeout
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 __all__ = ["MpiBackend", "pattern", "unavailable", "world"]
@@ -200,13 +200,13 @@ class MpiBackend(Backend):
         """Collective over the communicator: (the world) count the node's cores for waits that block
         (:func:`commlib.backends._mpi_waits.count_cores`); make the two duplicates; agree on the pattern."""
         if world and self.size > 1 and not count_cores(self.comm, timeout):
-            raise CommTimeoutError(f"not every rank set up the communicator within {timeout:g} s")
+            raise setup_timeout("set up the communicator", timeout)
         if self.size > 1 and not self.dups:
             pending = [self.comm.Idup() for _ in range(2)]
             deadline = time.monotonic() + timeout
             for _, req in pending:
                 if not settle(req, max(deadline - time.monotonic(), 0.0), self.abandoned):
-                    raise CommTimeoutError(f"not every rank set up the communicator within {timeout:g} s")
+                    raise setup_timeout("set up the communicator", timeout)
             self.dups = [c for c, _ in pending]
             self.coll, self.p2p = self.dups
         self.agree(timeout)
@@ -226,7 +226,7 @@ class MpiBackend(Backend):
         buf[504:] = np.frombuffer(self.nonce, np.uint8)
         everyone = np.zeros(512 * self.size, np.uint8)
         if not settle(self.comm.Iallgather(buf, everyone), timeout, self.abandoned):
-            raise CommTimeoutError(f"not every rank set up the communicator within {timeout:g} s")
+            raise setup_timeout("set up the communicator", timeout)
         self.nonce = everyone[504:512].tobytes()  # group rank 0's
         rows = [json.loads(bytes(everyone[512 * p : 512 * p + 480]).rstrip(b"\0")) for p in range(self.size)]
         self.agreed, notes = _agree(rows)
@@ -368,7 +368,7 @@ class MpiBackend(Backend):
         if not settle(
             self.comm.Iallreduce(np.array([crc, -crc], np.int64), extremes, op=MPI.MAX), timeout, self.abandoned
         ):
-            raise CommTimeoutError(f"not every rank called new_group within {timeout:.1f} s")
+            raise setup_timeout("called new_group", timeout)
         if extremes[0] != -extremes[1]:
             raise CollectiveMismatchError(
                 f"the ranks asked for different groups (this rank: ranks={ranks}); every rank must pass the same ranks"
@@ -378,7 +378,7 @@ class MpiBackend(Backend):
             # allgather: 20 ms on 4 ranks over 2 cores against 1-2 for Idup, mostly ranks waiting for their turn)
             sub, req = self.comm.Idup()
             if not settle(req, timeout, self.abandoned):
-                raise CommTimeoutError(f"not every rank called new_group within {timeout:.1f} s")
+                raise setup_timeout("called new_group", timeout)
         else:
             member = self.rank in ranks
             sub = cast(
