@@ -31,6 +31,7 @@ import abc
 import hashlib
 import os
 import time
+import zlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, ClassVar, Protocol
@@ -41,7 +42,7 @@ from commlib._ops import ReduceOp
 from commlib.arrays import host_array, to_host
 from commlib.backends._call import Call
 from commlib.backends._digests import Digests
-from commlib.errors import CommError, CommTimeoutError
+from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 __all__ = [
     "DONE",
@@ -102,6 +103,22 @@ def setup_timeout(did: str, seconds: float) -> CommTimeoutError:
 
 def not_every_rank(did: str, seconds: float) -> str:
     return f"not every rank {did} within {seconds:g} s"
+
+
+def ranks_checksum(ranks: list[int]) -> np.ndarray:
+    """What every rank all-reduces (MAX) before it makes a group of ``ranks``: ``[crc, -crc]`` of the list."""
+    crc = zlib.crc32(repr(ranks).encode())
+    return np.array([crc, -crc], np.int64)
+
+
+def check_same_ranks(ranks: list[int], extremes: Any) -> None:
+    """After that all-reduce: ``CollectiveMismatchError`` on every rank when the ranks asked for different groups
+    (the largest checksum is not the negated smallest)."""
+    high, low = (int(v) for v in extremes)
+    if high != -low:
+        raise CollectiveMismatchError(
+            f"the ranks asked for different groups (this rank: ranks={ranks}); every rank must pass the same ranks"
+        )
 
 
 class MeetingTimeout(CommTimeoutError):

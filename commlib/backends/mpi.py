@@ -36,8 +36,18 @@ from commlib.backends._call import Call
 from commlib.backends._mpi_waits import count_cores, settle
 from commlib.backends._plans import plan
 from commlib.backends._steps import average
-from commlib.backends.base import RESERVED_TAGS, TAG_FAIL, Backend, Handle, ReadyOp, poll, setup_timeout
-from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
+from commlib.backends.base import (
+    RESERVED_TAGS,
+    TAG_FAIL,
+    Backend,
+    Handle,
+    ReadyOp,
+    check_same_ranks,
+    poll,
+    ranks_checksum,
+    setup_timeout,
+)
+from commlib.errors import CommError, CommTimeoutError
 
 __all__ = ["MpiBackend", "pattern", "unavailable", "world"]
 
@@ -363,16 +373,10 @@ class MpiBackend(Backend):
         """Sub-communicator of ``ranks`` (in that order); collective over this communicator."""
         # A nonblocking check first: a missing rank times out instead of hanging in Split, and ranks that ask for
         # different groups (one would Idup while another splits, and wait for good) fail alike, saying so.
-        crc = zlib.crc32(repr(ranks).encode())
         extremes = np.zeros(2, np.int64)
-        if not settle(
-            self.comm.Iallreduce(np.array([crc, -crc], np.int64), extremes, op=MPI.MAX), timeout, self.abandoned
-        ):
+        if not settle(self.comm.Iallreduce(ranks_checksum(ranks), extremes, op=MPI.MAX), timeout, self.abandoned):
             raise setup_timeout("called new_group", timeout)
-        if extremes[0] != -extremes[1]:
-            raise CollectiveMismatchError(
-                f"the ranks asked for different groups (this rank: ranks={ranks}); every rank must pass the same ranks"
-            )
+        check_same_ranks(ranks, extremes)
         if ranks == list(range(self.size)):
             # every rank in order: a duplicate, made without blocking (MPICH's Split spins in a blocking
             # allgather: 20 ms on 4 ranks over 2 cores against 1-2 for Idup, mostly ranks waiting for their turn)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +28,17 @@ from commlib.arrays import address, bfloat16, device_array, host_array, to_host
 from commlib.backends._call import Call, describe
 from commlib.backends._cuda import emulated, load, nccl_unavailable_reason, unavailable
 from commlib.backends._digests import Digests, difference
-from commlib.backends.base import AllOf, Backend, Handle, Meeting, MeetingTimeout, poll, setup_timeout
+from commlib.backends.base import (
+    AllOf,
+    Backend,
+    Handle,
+    Meeting,
+    MeetingTimeout,
+    check_same_ranks,
+    poll,
+    ranks_checksum,
+    setup_timeout,
+)
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 __all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unavailable", "unique_id", "world"]
@@ -434,17 +443,12 @@ class NcclBackend(Backend):
         rank checks that all asked for the same ``ranks`` (as the mpi backend does): else they all raise
         ``CollectiveMismatchError`` and no communicator is made (commSplit would group them by what each rank
         said, and each rank would believe its own ``ranks``)."""
-        crc = zlib.crc32(repr(ranks).encode())
-        mine = self.xp.asarray(np.array([crc, -crc], np.int64))  # once per group made: not a call's path
+        mine = self.xp.asarray(ranks_checksum(ranks))  # once per group made: not a call's path
         extremes = self.xp.zeros(2, np.int64)
         check = Call("all_reduce", np.dtype(np.int64), 2, ReduceOp.MAX)
         if not self._enqueue(*self._all_reduce(check, mine, extremes)).wait(timeout):
             raise setup_timeout("called new_group", timeout)
-        high, low = (int(v) for v in to_host(extremes))
-        if high != -low:
-            raise CollectiveMismatchError(
-                f"the ranks asked for different groups (this rank: ranks={ranks}); every rank must pass the same ranks"
-            )
+        check_same_ranks(ranks, to_host(extremes))
         member = self.rank in ranks
         sub = self.comm.commSplit(0 if member else _SPLIT_NOCOLOR, ranks.index(self.rank) if member else 0)
         return self._sub(sub, ranks) if member else None
