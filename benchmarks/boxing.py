@@ -9,7 +9,9 @@ bytes through the bare collective: S(0) -> B against ``all_gather_into_tensor``;
 P -> B against a copy plus ``all_reduce`` (boxing never writes its input);
 S(0) -> S(1) against a bare ``all_to_all_single`` (which does not re-arrange the
 columns, so boxing does strictly more work there); P -> S(0) against
-``reduce_scatter_tensor``. Raw buffers are allocated once, outside the timing;
+``reduce_scatter_tensor``; S(2) -> B of a (16, rows / 16, 1024) tensor (a tensor-parallel layer's
+output) against ``all_gather_into_tensor`` of the same bytes (which leaves the pieces one after the
+other: boxing also puts them side by side). Raw buffers are allocated once, outside the timing;
 boxing allocates its results (from globalview's buffer pool). Methods alternate
 round by round; the table shows the median round (slower rank) and boxing/raw.
 A benchmark, not a test: it never fails on a number. Target: S(0) -> B <= 1.1x.
@@ -69,6 +71,7 @@ def main() -> None:
     part = x.to_local()
     partial = x.to_global(sbp=S.partial_sum)  # a genuine partial would cost the same to reduce
     whole = np.empty(shape, np.float32)
+    columns = gv.randn(16, rows // 16, 1024, placement=pl, sbp=S.split(2), seed=2)  # the same bytes, in 3-D
     scratch = np.empty(shape, np.float32)  # raw all_reduce works on a copy too: P -> B never writes its input
     cases = [
         ("S(0) -> B", lambda: x.to_global(sbp=S.broadcast), lambda: commlib.all_gather_into_tensor(whole, part)),
@@ -86,6 +89,11 @@ def main() -> None:
             "P -> S(0)",
             lambda: partial.to_global(sbp=S.split(0)),
             lambda: commlib.reduce_scatter_tensor(np.empty_like(part), partial.to_local()),
+        ),
+        (  # a tensor-parallel layer's output: pieces along the last dimension of (batch, tokens, features)
+            "S(2) -> B",
+            lambda: columns.to_global(sbp=S.broadcast),
+            lambda: commlib.all_gather_into_tensor(whole.reshape(-1), columns.to_local().reshape(-1)),
         ),
     ]
     barrier = commlib.barrier

@@ -23,7 +23,8 @@ Sizes are the whole buffer of nccl-tests (all_gather: the output; reduce_scatter
 scatter: the input). Uneven all-to-all: each rank sends a third of its rows to one rank and
 two thirds to the other. barrier moves no data: it runs once, in the row of the smallest size
 (its bytes column says "-"). Every size runs both methods in alternating rounds of about 5 ms of
-calls; a cell is the median over rounds of the slower rank's time per call. A benchmark, not a
+calls (as many calls as mpi4py's make in 5 ms, timed after the warm-up: every rank runs the same
+number); a cell is the median over rounds of the slower rank's time per call. A benchmark, not a
 test: it prints the table and the ratios and never fails on a number.
 """
 
@@ -82,9 +83,18 @@ def _parse() -> argparse.Namespace:
     return args
 
 
+ROUND_S = 0.005  # seconds per round: short rounds of fast calls (1 MiB in ~25 us) are at the mercy of the machine
+
+
 def _iters(nbytes: int, smoke: bool) -> int:
-    """Calls per round: about 5 ms at 2 GB/s, at least 1, at most 1000 (--smoke: 2)."""
-    return 2 if smoke else max(1, min(1000, int(0.005 * 2e9 / max(nbytes, 64))))
+    """Calls in a first round: about 5 ms at 2 GB/s, at least 1, at most 1000 (--smoke: 2)."""
+    return 2 if smoke else max(1, min(1000, int(ROUND_S * 2e9 / max(nbytes, 64))))
+
+
+def _calibrated(fn: Callable, iters: int, comm: Any, MPI: Any) -> int:
+    """Calls per round that take about :data:`ROUND_S` (timed on ``fn``; every rank takes the same number)."""
+    per_call = comm.allreduce(_round(fn, iters, comm), op=MPI.MAX)
+    return max(1, min(20000, round(ROUND_S / max(per_call, 1e-9))))
 
 
 def _pair(name: str, nbytes: int, comm: Any, MPI: Any, dist: Any, np: Any) -> tuple[Callable, Callable]:
@@ -182,6 +192,8 @@ def _measure(name: str, nbytes: int, args: argparse.Namespace, comm: Any, MPI: A
     iters = _iters(nbytes, args.smoke)
     for fn in (ours, theirs):  # warm up: first calls pay for connections, page faults, persistent setup
         _round(fn, max(2, iters // 5), comm)
+    if not args.smoke:  # rounds of about 5 ms of the raw call, whatever the machine's speed
+        iters = _calibrated(theirs, iters, comm, MPI)
     times: dict[str, list[float]] = {"commlib": [], "mpi4py": []}
     rounds = args.repeats if iters > 1 else 2 * args.repeats
     for r in range(rounds):

@@ -70,6 +70,10 @@ def _expected_local(truth, name, p, c):
 PAIRS = list(itertools.product([B, S0, S1, P], repeat=2))
 CONVERSIONS = [f"{a}->{b} {kind}" for kind in ("even", "uneven") for a, b in PAIRS]
 CONVERSIONS += [f"P{reduce}->{target}" for reduce in ("max", "min") for target in (B, S0)]
+# 3-D: pieces along a middle or the last dimension (moved as runs of whole pieces), a collective each.
+THREE_D = [("S(1)", "B"), ("S(2)", "B"), ("P", "S(1)"), ("P", "S(2)"), ("S(0)", "S(2)"), ("S(2)", "S(0)")]
+THREE_D += [("S(1)", "S(2)"), ("S(2)", "S(1)")]
+CONVERSIONS += [f"3-D {a}->{b} {kind}" for kind in ("even", "uneven") for a, b in THREE_D]
 
 
 def _outcome(fn) -> str:
@@ -123,6 +127,38 @@ def conversions_job() -> dict[str, str]:
                 np.testing.assert_array_equal(numpy, truth)
 
             out[f"P{reduce}->{target}"] = _outcome(check)
+    out.update(_three_d(gv, commlib, pl, p, me))
+    return out
+
+
+def _three_d(gv, commlib, pl, p: int, me: int) -> dict[str, str]:
+    """THREE_D's conversions on (3, n, m) tensors (even: n, m divide by the world; uneven: they do not)."""
+    from globalview._layout import split_range
+
+    def layout(name):
+        return gv.sbp.partial_sum if name == P else gv.sbp.broadcast if name == B else gv.sbp.split(int(name[2]))
+
+    want = {B: "all_gather", "S(1)": "reduce_scatter", "S(2)": "reduce_scatter"}
+    out = {}
+    for kind, shape in (("even", (3, 2 * p, 4 * p)), ("uneven", (3, 2 * p + 1, 4 * p + 3))):
+        truth = np.arange(np.prod(shape), dtype=np.int64).reshape(shape) * 5 - 11
+        for a, b in THREE_D:
+            x = _make(gv, commlib, truth, pl, P, p) if a == P else gv.tensor(truth, placement=pl, sbp=layout(a))
+            with gv.record() as calls:
+                y = x.to_global(sbp=layout(b))
+            numpy, local = y.numpy(), np.asarray(y.to_local())
+
+            def check(a=a, b=b, y=y, calls=calls, numpy=numpy, local=local, truth=truth) -> None:
+                expected = [] if p == 1 else [want[b] if a == P else "all_to_all" if b != B else "all_gather"]
+                assert [c.name for c in calls] == expected, f"ran {calls}, expected {expected}"
+                assert y.shape == truth.shape and y.sbp == (layout(b),)
+                np.testing.assert_array_equal(numpy, truth)
+                if b != B:
+                    d = int(b[2])
+                    lo, hi = split_range(truth.shape[d], p, me)
+                    np.testing.assert_array_equal(local, np.take(truth, range(lo, hi), axis=d))
+
+            out[f"3-D {a}->{b} {kind}"] = _outcome(check)
     return out
 
 
