@@ -160,6 +160,8 @@ class ProcessGroup:
             if self.pending:
                 self.drain(None, self.timeout)
             p = b.prepared(c, inp, out, key if self.ready is not None else None)
+            if p is not None and p.label is None:  # the runs it completes at once, the backend records
+                p.label = (_flight.GroupTag(self.name, tuple(self.ranks)), name, p.call)
             if p is not None and self.run_ready(name, p, inp, out):
                 if finish is not None:
                     finish()
@@ -203,13 +205,10 @@ class ProcessGroup:
         if done is None:
             return False
         self.seq = seq
-        slot = next(_slots)
-        # a flight.Record, stamped once as go() returned: a call done by then is recorded with no duration (its
-        # start is within microseconds, or a large one's spin of at most 0.25 s, of that)
-        _starts[slot] = (self, name, p.call, seq, t := _now())
-        if done is True:
-            _ends[slot] = t
+        if done is True:  # recorded by the backend (the operation's label), with no duration
             return True
+        slot = next(_slots)
+        _starts[slot] = (self, name, p.call, seq, _now())  # a flight.Record
         self.ready_rest(name, p, out, seq, slot, done if isinstance(done, BaseException) else None)
         return True
 

@@ -352,6 +352,30 @@ def test_flight_ring_states_and_wraparound() -> None:
     assert states[3] > 0 and states[4] < 0 and states[5] == 0 and states[6] == 0
 
 
+def recorded_job() -> list:
+    """Blocking calls the executor completes at once (the fast path) and one it does not finish in its first
+    tests (a large all_reduce on a fresh group): the flight recorder lists each, in order, completed."""
+    import commlib as dist
+    from commlib._diagnostics import flight
+
+    x = np.ones(4, np.float32)
+    for _ in range(3):
+        dist.all_reduce(x)
+    dist.barrier()
+    dist.broadcast(x, src=0)
+    g = dist.new_group([0, 1])
+    dist.all_reduce(np.ones(1 << 20, np.float32), group=g)
+    return [(e["group"], e["op"], e["seq"], e["state"], e["count"]) for e in flight.entries()][-6:]
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_the_flight_recorder_lists_the_calls_an_executor_completed_at_once(native: str) -> None:
+    for got in run(recorded_job, 2, env={"COMMLIB_NATIVE": native}):
+        world = [(1, "all_reduce"), (2, "all_reduce"), (3, "all_reduce"), (4, "barrier"), (5, "broadcast")]
+        assert got[:5] == [("world", op, seq, "completed", 0 if op == "barrier" else 4) for seq, op in world]
+        assert got[5][1:] == ("all_reduce", 1, "completed", 1 << 20) and got[5][0] != "world"
+
+
 def test_flight_summary_names_the_stuck_and_the_missing(tmp_path: Path) -> None:
     from commlib._diagnostics.flight import summarize
 

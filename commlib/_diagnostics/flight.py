@@ -3,7 +3,11 @@
 Each collective writes one tuple when it starts and one integer when it ends
 (preallocated lists, no formatting, no locks: about 0.1 us). A slot's state is
 read from its times: end >= start means completed, -end >= start failed,
-else it was still running. ``COMMLIB_FLIGHT_RECORDER_SIZE`` (default 2000) sets N; 0
+else it was still running. A blocking call that a backend's ready operation
+completes at once (most small calls on the mpi backend) is recorded by the
+backend instead, with no Python object made per call (``commlib.backends._steps.executed``:
+the operation's label, the call's number and time), and shows here the same way,
+completed with no duration. ``COMMLIB_FLIGHT_RECORDER_SIZE`` (default 2000) sets N; 0
 turns the dumps off.
 
 Dumps go to ``$COMMLIB_FLIGHT_DIR/rank<r>.json`` (the launcher sets it to
@@ -30,7 +34,19 @@ from typing import Any, NamedTuple
 from commlib._settings import current
 from commlib._settings import value as setting
 
-__all__ = ["COMPLETED", "FAILED", "STARTED", "Record", "dump", "entries", "install_signal", "now", "ring", "summarize"]
+__all__ = [
+    "COMPLETED",
+    "FAILED",
+    "STARTED",
+    "GroupTag",
+    "Record",
+    "dump",
+    "entries",
+    "install_signal",
+    "now",
+    "ring",
+    "summarize",
+]
 
 STARTED, COMPLETED, FAILED = "started", "completed", "failed"
 EXIT_REASON = "the program ended (normal exit)"  # the launcher removes these dumps after a job that succeeded
@@ -51,6 +67,13 @@ class Record(NamedTuple):
     desc: Any  #: its description (``commlib.backends._call.Call``), or None
     seq: int  #: its number on the group
     start: int  #: :func:`now` at its start
+
+
+class GroupTag(NamedTuple):
+    """A group as a record names it (the ready operations' labels: no reference to the group itself)."""
+
+    name: str
+    ranks: tuple[int, ...]
 
 
 class Ring:
@@ -95,14 +118,20 @@ def _state(t0: int, t1: int) -> str:
     return COMPLETED if t1 >= t0 else FAILED if -t1 >= t0 else STARTED
 
 
+def _records() -> list[tuple[Record, int]]:
+    """Every record (the ring's, and the ready operations' runs a backend recorded), with its end time."""
+    out = [(r, ring.ends[i]) for i in range(len(ring.starts)) if (r := ring.record(i)) is not None]
+    steps = sys.modules.get("commlib.backends._steps")  # the mpi backend's executors, if it was ever loaded
+    for (group, call, desc), seq, t in steps.executed() if steps is not None else ():
+        out.append((Record(group, call, desc, seq, t), t))
+    return out
+
+
 def entries() -> list[dict[str, Any]]:
     """The recorded collectives, oldest first, as plain dicts."""
     out: list[dict[str, Any]] = []
-    for i in range(len(ring.starts)):
-        r = ring.record(i)
-        if r is None:
-            continue
-        t0, t1, desc = r.start, ring.ends[i], r.desc
+    for r, t1 in _records():
+        t0, desc = r.start, r.desc
         state = _state(t0, t1)
         out.append(
             {
@@ -121,7 +150,7 @@ def entries() -> list[dict[str, Any]]:
             }
         )
     out.sort(key=lambda e: e["start_ns"])
-    return out
+    return out[-ring.size :] if ring.size else out
 
 
 def set_job(rank: int, world_size: int, job: str) -> None:

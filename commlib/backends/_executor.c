@@ -46,6 +46,82 @@ monotonic(void)
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* -- the record of completed runs -------------------------------------------------------------------------
+ * go() completes most blocking calls at once; it records each such run here (its executor's label, the run's
+ * sequence number, CLOCK_MONOTONIC in ns): no Python object is made per call (the group layer's tuple and clock
+ * reading were ~0.2 us of a 0.6 us call). commlib.backends._steps.executed() reads them for the recorder of
+ * commlib._diagnostics. A slot keeps a reference to its label. */
+typedef struct {
+    PyObject *label;
+    uint32_t seq;
+    int64_t t;
+} run_t;
+
+static run_t *runs;
+static Py_ssize_t runs_size, runs_next;
+
+void
+record_run(PyObject *label, uint32_t seq)
+{
+    if (runs_size == 0 || label == NULL || label == Py_None)
+        return;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    run_t *e = &runs[runs_next];
+    PyObject *old = e->label;
+    Py_INCREF(label);
+    e->label = label;
+    e->seq = seq;
+    e->t = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+    if (++runs_next == runs_size)
+        runs_next = 0;
+    Py_XDECREF(old); /* last: a label's last reference may run Python code */
+}
+
+/* runs_init(size): a ring of size slots (0: record nothing), emptied */
+static PyObject *
+runs_init(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "runs_init: size must be >= 0");
+        return NULL;
+    }
+    run_t *fresh = n ? PyMem_Calloc((size_t)n, sizeof(run_t)) : NULL;
+    if (n && fresh == NULL)
+        return PyErr_NoMemory();
+    run_t *old = runs;
+    Py_ssize_t old_size = runs_size;
+    runs = fresh;
+    runs_size = n;
+    runs_next = 0;
+    for (Py_ssize_t i = 0; i < old_size; i++)
+        Py_XDECREF(old[i].label);
+    PyMem_Free(old);
+    Py_RETURN_NONE;
+}
+
+/* completed_runs() -> [(label, seq, t_ns)], oldest first */
+static PyObject *
+completed_runs(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t k = 0; out != NULL && k < runs_size; k++) {
+        run_t *e = &runs[(runs_next + k) % runs_size];
+        if (e->label == NULL)
+            continue;
+        PyObject *item = Py_BuildValue("(OkL)", e->label, (unsigned long)e->seq, (long long)e->t);
+        if (item == NULL || PyList_Append(out, item) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(item);
+    }
+    return out;
+}
+
 /* setup(functions, sizeof(MPI_Request), sizeof(MPI_Status), sizeof(MPI_Comm), MPI_BYTE, MPI.Exception): functions
  * are the addresses of MPI_Start, MPI_Test, MPI_Send_init, MPI_Recv_init, MPI_Isend_c, MPI_Irecv_c,
  * MPI_Get_count_c and MPI_Request_free. */
@@ -84,6 +160,8 @@ static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS,
      "setup((MPI_Start, MPI_Test, MPI_Send_init, MPI_Recv_init, MPI_Isend_c, MPI_Irecv_c, MPI_Get_count_c, "
      "MPI_Request_free), sizeof(MPI_Request), sizeof(MPI_Status), sizeof(MPI_Comm), MPI_BYTE, MPI.Exception)"},
+    {"runs_init", runs_init, METH_O, "runs_init(size): the ring of completed runs, size slots (0: none)"},
+    {"completed_runs", completed_runs, METH_NOARGS, "completed_runs() -> [(label, seq, t_ns)], oldest first"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -53,6 +53,10 @@ int raise_mpi(int code);
 /* CLOCK_MONOTONIC in seconds */
 double monotonic(void);
 
+/* The record of the runs go() completed (_executor.c): label, the run's sequence number, CLOCK_MONOTONIC
+ * in ns (Python's perf_counter_ns); nothing while the ring has no slots (runs_init(0), the default) */
+void record_run(PyObject *label, uint32_t seq);
+
 /* _steps.c: the Steps type (added to the module by PyInit__executor) */
 extern PyTypeObject StepsType;
 

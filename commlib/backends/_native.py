@@ -64,6 +64,7 @@ def _module() -> Any:
             stacklevel=2,
         )
         return None
+    c.runs_init(int(setting("COMMLIB_FLIGHT_RECORDER_SIZE")))  # the runs go() completes (flight recorder)
     return c
 
 

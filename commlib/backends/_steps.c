@@ -54,6 +54,7 @@ typedef struct {
     Py_ssize_t acc_scale; /* elements of acc's type per element (2 for complex sums) */
     int reduces;        /* the plan has reductions */
     PyObject *reducer, *mismatch, *dtype;
+    PyObject *label;    /* what the record of a run go() completed says (None: nothing recorded) */
     char *preq, *dreq, *status; /* per message: its persistent request and its data request; one status */
     int *checks, nchecks;       /* receives whose stamp (or inline message) is awaited */
     int *rest, nrest, rested;   /* 2m: message m's persistent request, 2m+1: its data request; in order */
@@ -670,7 +671,10 @@ Steps_go(Steps *self, PyObject *const *args, Py_ssize_t nargs)
         for (int i = 0; i < 256 && !done && !code; i++)
             code = advance(self, &done);
     }
-    return outcome(self, code, done);
+    PyObject *result = outcome(self, code, done);
+    if (result == Py_True)
+        record_run(self->label, self->seq);
+    return result;
 }
 
 static PyObject *
@@ -748,6 +752,7 @@ Steps_dealloc(Steps *self)
     Py_XDECREF(self->mismatch);
     Py_XDECREF(self->dtype);
     Py_XDECREF(self->held);
+    Py_XDECREF(self->label);
     if (self->state != IDLE && !self->freed) { /* MPI may still use its buffers (a run abandoned): leave them be */
         Py_TYPE(self)->tp_free((PyObject *)self);
         return;
@@ -934,6 +939,7 @@ Steps_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->reducer = reducer;
     self->mismatch = mismatch;
     self->dtype = dtype;
+    self->label = Py_NewRef(Py_None);
     int bad = decode(self, (const long long *)PyArray_DATA(arr), PyArray_SIZE(arr)) < 0;
     Py_DECREF(arr);
     if (bad) {
@@ -990,6 +996,8 @@ static PyMemberDef Steps_members[] = {
     {"count", T_PYSSIZET, offsetof(Steps, count), READONLY, "the call's agreed element count"},
     {"state", T_INT, offsetof(Steps, state), READONLY, "0 idle, 1 running, 2 abandoned"},
     {"seq", T_UINT, offsetof(Steps, seq), READONLY, "the sequence number of the run (the last one)"},
+    {"label", T_OBJECT, offsetof(Steps, label), 0,
+     "what the record of each run go() completes says, with its sequence number and time (None: no record)"},
     {NULL, 0, 0, 0, NULL},
 };
 

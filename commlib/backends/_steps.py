@@ -17,6 +17,8 @@ call is abandoned: MPI may still use its buffers).
 from __future__ import annotations
 
 import functools
+import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,18 @@ from commlib.backends._plans import IN, OUT, Copy, Plan, Reduce
 from commlib.backends.base import SLOW_BYTES_PER_S, poll
 from commlib.errors import CollectiveMismatchError, GroupBrokenError, TransportError
 
-__all__ = ["TAG_SPAN", "NativeSteps", "Steps", "average", "bind", "make", "mismatch", "reduce_into", "tag_of"]
+__all__ = [
+    "TAG_SPAN",
+    "NativeSteps",
+    "Steps",
+    "average",
+    "bind",
+    "executed",
+    "make",
+    "mismatch",
+    "reduce_into",
+    "tag_of",
+]
 
 _F32 = np.dtype(np.float32)
 _UFUNC = {
@@ -52,6 +65,34 @@ _STAMP = _stamp.SIZE
 BLOCK_FROM = setting("COMMLIB_MPI_BLOCK_FROM")
 _BLOCK_MAX = 0.25  # seconds at most a wait blocks in MPI (then poll(): naps and the watchdog)
 _TESTS = 256  # tests go() makes before it hands the wait to its caller
+
+
+class _Executed:
+    """The Python executor's record of the runs go() completed, as the C executor keeps its own (``_executor.c``:
+    ``record_run``): (label, sequence number, ``time.perf_counter_ns()``) in a ring of
+    ``COMMLIB_FLIGHT_RECORDER_SIZE`` slots."""
+
+    def __init__(self, size: int) -> None:
+        self.slots: list[Any] = [None] * size
+        self.next = itertools.cycle(range(size)) if size else None
+
+    def entries(self) -> list[tuple[Any, int, int]]:
+        return [e for e in self.slots if e is not None]
+
+
+_EXECUTED = _Executed(int(setting("COMMLIB_FLIGHT_RECORDER_SIZE")))
+
+
+def _record(label: Any, seq: int) -> None:
+    if _EXECUTED.next is not None:
+        _EXECUTED.slots[next(_EXECUTED.next)] = (label, seq, time.perf_counter_ns())
+
+
+def executed() -> list[tuple[Any, int, int]]:
+    """The runs the executors' go() completed, for the flight recorder: (label, sequence number, CLOCK_MONOTONIC
+    in ns), both executors', in no particular order (each executor's label: see ``ReadyOp.label``)."""
+    c = [] if _native.module is None else _native.module.completed_runs()
+    return c + _EXECUTED.entries()
 
 
 def tag_of(step: int, tag: int) -> int:
@@ -207,6 +248,7 @@ class Steps:
         self.rest: list[tuple[Any, _Message | None]] = []  # then data receives (their message) and sends
         self.status = MPI.Status()
         self.held: tuple = ()
+        self.label: Any = None  # what the flight record says of each run go() completes (None: no record)
 
     def _receive(self, m: _Message, step: int) -> _Message:
         m.direct = m.nbytes > self.small
@@ -233,7 +275,10 @@ class Steps:
         if self.state == "idle" and not fit:
             return None
         self.start(inp, out, seq)
-        return any(self.test() for _ in range(_TESTS))
+        done = any(self.test() for _ in range(_TESTS))
+        if done and self.label is not None:
+            _record(self.label, self.seq)
+        return done
 
     def start(self, inp: Any, out: Any, seq: int) -> None:
         """Bind ``inp`` and ``out`` (arrays as the plan's byte regions, or None) and post step 1."""
@@ -427,6 +472,15 @@ class NativeSteps:
 
     native = True
     __slots__ = ("c", "call", "comm", "go", "nbytes", "notice", "plan", "start", "test")
+
+    @property
+    def label(self) -> Any:
+        """What the flight record says of each run go() completes (the C object records it: :func:`executed`)."""
+        return self.c.label
+
+    @label.setter
+    def label(self, value: Any) -> None:
+        self.c.label = value
 
     def __init__(
         self,

@@ -161,6 +161,11 @@ class ReadyOp(Protocol):
     #: the description of the calls it runs (what the group layer records)
     call: Call
 
+    #: what the flight record says of each run :attr:`go` completes, with its sequence number and time: the
+    #: group layer sets it (its group's name and ranks, the public call, :attr:`call`) when it first lists the
+    #: operation; the backend keeps those records (the mpi backend's: ``_steps.executed``). None: no record.
+    label: Any
+
     #: ``go(inp, out, seq) -> bool | None``: start one run on the caller's input and output (the previous run is
     #: complete), test it a few hundred times; True: complete, the result in ``out``; False: still running;
     #: None: these arrays are not the operation's (another dtype of the same byte count, not contiguous, not
