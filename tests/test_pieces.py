@@ -36,9 +36,20 @@ def pieces_job() -> list[str]:
             pass
         np.testing.assert_array_equal(y, expect)
         checked.append(np.dtype(dtype).name)
-    z = np.full((101, 99), float(me + 1))  # 2-D, AVG (divides once, after the last piece)
-    dist.all_reduce(z, op=dist.ReduceOp.AVG)
-    np.testing.assert_allclose(z, (n + 1) / 2)
+    # AVG: each piece's sum divided as it is reduced, in its dtype (integers truncating toward zero); 2-D
+    for dtype in (np.float32, np.float64, np.int32):
+        parts = [(np.random.default_rng(r).standard_normal((101, 99)) * 1000).astype(dtype) for r in range(n)]
+        z = parts[me].copy()
+        dist.all_reduce(z, op=dist.ReduceOp.AVG)
+        total = sum(parts[1:], parts[0].copy())
+        if dtype is np.int32:
+            want = (total - np.fmod(total, n)) // n
+        else:
+            want = total / dtype(n)
+        if n == 2 or dtype is np.int32:  # two parts add alike in any order: the same bits
+            np.testing.assert_array_equal(z, want)
+        else:
+            np.testing.assert_allclose(z, want, rtol=1e-5, atol=1e-3)  # three parts: another order of sums
     h = np.full(50_000, 1.0, np.float16)  # 16-bit floats: summed in float32, rounded once, in pieces too
     dist.all_reduce(h)
     np.testing.assert_array_equal(h, float(n))

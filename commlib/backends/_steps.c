@@ -51,6 +51,7 @@ typedef struct {
     char *tmp;
     Py_ssize_t tmp_len, in_len, out_len, small, itemsize, count;
     acc_fn acc;         /* the native reduction (dst op= src); NULL: the Python reducer */
+    int average;        /* AVG with a native sum: 4 (float32 elements) or 8 (float64) to divide by the sources */
     Py_ssize_t acc_scale; /* elements of acc's type per element (2 for complex sums) */
     int reduces;        /* the plan has reductions */
     PyObject *reducer, *mismatch, *dtype;
@@ -120,7 +121,6 @@ native_acc(int type, int op, Py_ssize_t *scale)
     *scale = 1;
 #define ARITHMETIC(S)                                                                                              \
     case O_SUM:                                                                                                    \
-    case O_AVG:                                                                                                    \
         return sum_##S;                                                                                            \
     case O_PRODUCT:                                                                                                \
         return prod_##S;                                                                                           \
@@ -144,6 +144,8 @@ native_acc(int type, int op, Py_ssize_t *scale)
     case NPY:                                                                                                      \
         switch (op) {                                                                                              \
             ARITHMETIC(S)                                                                                          \
+        case O_AVG: /* the sum, then do_reduce() divides (integers: the Python reducer, truncating) */             \
+            return sum_##S;                                                                                        \
         }                                                                                                          \
         return NULL;
     switch (type) {
@@ -312,6 +314,22 @@ do_copy(Steps *self, act_t *a)
 }
 
 /* dst = srcs[0] op srcs[1] op ... natively (no GIL needed), or through the Python reducer (-1: error set) */
+/* x[i] /= n for n elements of float32 (size 4) or float64 (8) */
+static void
+divide(char *x, Py_ssize_t n, int by, int size)
+{
+    if (size == 4) {
+        float *f = (float *)x, k = (float)by;
+        for (Py_ssize_t i = 0; i < n; i++)
+            f[i] = f[i] / k;
+    }
+    else {
+        double *f = (double *)x, k = (double)by;
+        for (Py_ssize_t i = 0; i < n; i++)
+            f[i] = f[i] / k;
+    }
+}
+
 static int
 do_reduce(Steps *self, act_t *a)
 {
@@ -326,6 +344,9 @@ do_reduce(Steps *self, act_t *a)
         for (int j = 1; j < a->nsrc; j++)
             self->acc(d, region(self, self->src_buf[a->src_at + j]) + self->src_off[a->src_at + j],
                       a->n * self->acc_scale);
+        if (self->average) /* every reduction has every rank's part (_plans): the final sum, divided here, while
+                            * it is in the cache (numpy's x / n in the element's type; complex: each part) */
+            divide(d, a->n * self->acc_scale, a->nsrc, self->average);
         return 0;
     }
     PyObject *dst = PyMemoryView_FromMemory(d, bytes, PyBUF_WRITE), *srcs = PyList_New(a->nsrc);
@@ -954,6 +975,7 @@ Steps_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
         self->itemsize = PyDataType_ELSIZE((PyArray_Descr *)dtype);
         self->acc = native_acc(((PyArray_Descr *)dtype)->type_num, op, &self->acc_scale);
+        self->average = self->acc != NULL && op == O_AVG ? (int)(self->itemsize / self->acc_scale) : 0;
     }
     if (small < 0 || PyBytes_GET_SIZE(stamps) != (Py_ssize_t)self->nmsgs * STAMP) {
         PyErr_SetString(PyExc_ValueError, "Steps: small must be >= 0, and stamps 32 bytes per message");

@@ -51,7 +51,7 @@ __all__ = [
 _F32 = np.dtype(np.float32)
 _UFUNC = {
     ReduceOp.SUM: np.add,
-    ReduceOp.AVG: np.add,  # divided after the whole call
+    ReduceOp.AVG: np.add,  # then divided (reduce_into)
     ReduceOp.PRODUCT: np.multiply,
     ReduceOp.MIN: np.minimum,
     ReduceOp.MAX: np.maximum,
@@ -102,10 +102,16 @@ def tag_of(step: int, tag: int) -> int:
 
 def reduce_into(dtype: np.dtype, op: ReduceOp, dst: np.ndarray, srcs: list[np.ndarray]) -> None:
     """``dst = srcs[0] op srcs[1] op ...`` (uint8 views, reinterpreted as ``dtype``); 16-bit floats in float32,
-    rounded once. The C executor calls this for what it does not reduce itself, so both give the same bits."""
-    uf = _UFUNC[op]
+    rounded once. AVG: the sum, divided by the number of sources (every reduction of a plan has every rank's
+    part), in ``dtype`` (:func:`average`) while it is in the cache. The C executor calls this for what it does
+    not reduce itself, so both give the same bits."""
     d = dst.view(dtype)
-    views = [s.view(dtype) for s in srcs]
+    _reduce_views(dtype, _UFUNC[op], d, [s.view(dtype) for s in srcs])
+    if op is ReduceOp.AVG and len(srcs) > 1:
+        average(d, len(srcs))
+
+
+def _reduce_views(dtype: np.dtype, uf: Any, d: np.ndarray, views: list[np.ndarray]) -> None:
     if dtype in LOW_PRECISION:
         acc = views[0].astype(_F32)
         for v in views[1:]:

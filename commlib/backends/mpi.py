@@ -29,13 +29,11 @@ import numpy as np
 from mpi4py import MPI
 
 from commlib._environment import mpi_launched
-from commlib._ops import ReduceOp
 from commlib._settings import value as setting
 from commlib.backends import _native, _stamp, _steps
 from commlib.backends._call import Call
 from commlib.backends._mpi_waits import count_cores, settle
 from commlib.backends._plans import plan
-from commlib.backends._steps import average
 from commlib.backends.base import (
     RESERVED_TAGS,
     TAG_FAIL,
@@ -270,8 +268,8 @@ class MpiBackend(Backend):
 
     def prepared(self, call: Call, inp: Any, out: Any, key: Any) -> ReadyOp | None:
         """The cached executor of ``call``, listed in :attr:`ready` under ``key`` (see :meth:`Backend.prepared`);
-        None where a call needs more than the executor's run: AVG (divided after), composed calls."""
-        if call.op is ReduceOp.AVG or (self.composed and call.kind in _COMPOSED) or (call.p2p and call.root < 0):
+        None where a call needs more than the executor's run: composed calls, a receive from any rank."""
+        if (self.composed and call.kind in _COMPOSED) or (call.p2p and call.root < 0):
             return None
         cached = (call, call.kind == "all_gather" and inp is None)
         ex: Any = self.ops.get(cached)
@@ -331,9 +329,7 @@ class MpiBackend(Backend):
         except BaseException as e:
             self._forget(key, ex)
             raise ex.error(e) from None
-        mine = call.kind != "reduce" or call.root == self.rank
-        finish = functools.partial(average, out, self.size) if call.op is ReduceOp.AVG and mine else None
-        return _Run(self, key, ex, out, finish)
+        return _Run(self, key, ex, out, None)
 
     def close_check(self, seq: int, sent: list[int], received: list[int], timeout: float) -> list[tuple[int, int, int]]:
         """The closing exchange (see :meth:`Backend.close_check`), as a stamped plan of its own: a rank that
