@@ -42,10 +42,7 @@ def pieces_job() -> list[str]:
         z = parts[me].copy()
         dist.all_reduce(z, op=dist.ReduceOp.AVG)
         total = sum(parts[1:], parts[0].copy())
-        if dtype is np.int32:
-            want = (total - np.fmod(total, n)) // n
-        else:
-            want = total / dtype(n)
+        want = (total - np.fmod(total, n)) // n if dtype is np.int32 else total / dtype(n)
         if n == 2 or dtype is np.int32:  # two parts add alike in any order: the same bits
             np.testing.assert_array_equal(z, want)
         else:
