@@ -17,7 +17,8 @@ model (the heap trimmed before and after two warm-up steps), measured in fresh p
 loaded) whose glibc mmap threshold is fixed at 16 KiB from their start, so freed tensors leave the resident
 set at once and no free list the timing phase left in the heap is faulted in again), next to the
 predicted one, and what globalview's buffer pool holds then (boxing buffers of 1 MiB or more, kept for
-reuse). Last, a memory budget below data parallel's measured peak: the plan auto_parallel chooses under it, its
+reuse). Last, a memory budget below data parallel's measured peak (``--budget`` of it; where no plan fits that,
+halfway from there to the peak, at most three times): the plan auto_parallel chooses under it, its
 peak and (after every peak, large buffers reused from the heap again) its time measured.
 The machine (collective times, globalview's overheads, operator times) is measured afresh in each run, in
 a file of the run's own: the first model's planning time includes that. ``GLOBALVIEW_CACHE=<file>`` uses and
@@ -243,13 +244,19 @@ def run_memory(bench: Bench, out: dict[str, Any]) -> None:
     out["memory"] = {k: bench.peak(k, plan) for k in out["kinds"]}
     out["pool"] = bench.pool
     out["predicted memory"] = {"automatic": plan.memory} | {k: a["memory"] for k, a in plan.alternatives.items()}
-    budget = bench.args.budget * out["memory"]["data parallel"]
-    try:
-        tight, _ = bench.plan(budget)
-    except ValueError as e:
-        out["budget"] = (budget, None, str(e))
+    dp = out["memory"]["data parallel"]
+    fraction = bench.args.budget
+    for _ in range(3):  # a fraction below the least memory any plan needs: halfway to data parallel's peak
+        budget = fraction * dp
+        try:
+            tight, _ = bench.plan(budget)
+            break
+        except ValueError as e:
+            out["budget"] = (budget, None, str(e))
+            fraction = (1 + fraction) / 2
+    else:
         return
-    out["budget"] = (budget, tight, bench.peak("budget", tight))
+    out["budget"] = (budget, tight, bench.peak("budget", tight), budget / dp)
 
 
 def time_budget(bench: Bench, out: dict[str, Any]) -> None:
@@ -282,9 +289,9 @@ def report(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
     if budget[1] is None:
         print(f"budget {budget[0] / mib:.1f} MiB: {budget[2]}")
     else:
-        b, tight, peak, t = budget
+        b, tight, peak, fraction, t = budget
         print(
-            f"budget {b / mib:.1f} MiB ({args.budget:.0%} of data parallel's measured peak): chosen plan "
+            f"budget {b / mib:.1f} MiB ({fraction:.0%} of data parallel's measured peak): chosen plan "
             f"{t * 1e3:.2f} ms/step (predicted {tight.time * 1e3:.2f}), peak {peak / mib:.1f} MiB (predicted "
             f"{tight.memory / mib:.1f}, measured/predicted {peak / tight.memory:.2f}), fits: {peak <= b}"
         )
