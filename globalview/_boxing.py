@@ -67,36 +67,6 @@ def _line(ctx: _Ctx, step: Step) -> tuple[Any, tuple[int, ...], int, int, tuple[
     return group, t, pl.hierarchy[k], coords[k], pl.line(coords, k)
 
 
-def _pad_pieces(xp, x, d: int, sizes: list[int], c: int | None, dtype) -> Any:
-    """``x`` (moved so ``d`` is first) padded into ``p`` equal pieces of the largest size.
-
-    With ``c`` set, ``x`` is one piece (rank ``c``'s); without, ``x`` holds all pieces in order."""
-    m, p = max(sizes), len(sizes)
-    xm = xp.moveaxis(x, d, 0)
-    if c is not None:
-        if sizes[c] == m and xm.flags.c_contiguous:
-            return xm
-        buf = _memory.empty(xp, (m, *xm.shape[1:]), dtype)
-        buf[: sizes[c]] = xm
-        return buf
-    if all(s == m for s in sizes) and xm.flags.c_contiguous:
-        return xm
-    buf = _memory.empty(xp, (p * m, *xm.shape[1:]), dtype)  # padding rows are never read
-    off = 0
-    for r, s in enumerate(sizes):
-        buf[r * m : r * m + s] = xm[off : off + s]
-        off += s
-    return buf
-
-
-def _unpad(xp, out, d: int, sizes: list[int]) -> Any:
-    """Undo :func:`_pad_pieces` on a gathered ``(p * m, ...)`` buffer: trim, concatenate, move ``d`` back."""
-    m = max(sizes) if sizes else 0
-    if not all(s == m for s in sizes):
-        out = xp.concatenate([out[r * m : r * m + s] for r, s in enumerate(sizes)], axis=0)
-    return xp.ascontiguousarray(xp.moveaxis(out, 0, d))
-
-
 def _blocks(xp, x, d: int) -> Any:
     """``x`` as ``(A, n, B)``: the dimensions before ``d`` merged, ``d``, the ones after merged (a view of a
     contiguous ``x``). A piece along ``d`` is then ``A`` runs of ``size * B`` contiguous elements: moving pieces
@@ -109,18 +79,39 @@ def _with(shape: tuple[int, ...], d: int, n: int) -> tuple[int, ...]:
     return (*shape[:d], n, *shape[d + 1 :])
 
 
+def _own_piece(ctx: _Ctx, x, d: int, sizes: list[int], c: int) -> Any:
+    """This rank's piece ``x`` (piece ``c`` along ``d``) as ``(A, m, B)``, padded to the largest piece ``m`` (the
+    padding is never read): what an all_gather or a gather sends."""
+    xb = _blocks(ctx.xp, x, d)
+    m = max(sizes)
+    if sizes[c] == m:
+        return xb
+    send = _memory.empty(ctx.xp, (xb.shape[0], m, xb.shape[2]), ctx.dtype)
+    send[:, : sizes[c]] = xb
+    return send
+
+
+def _assemble(ctx: _Ctx, out, shape: tuple[int, ...], d: int, sizes: list[int]) -> Any:
+    """Every rank's piece, gathered as ``(p, A, m, B)`` in rank order, put side by side along ``d``: the whole
+    block (``shape`` with ``d`` the sum of ``sizes``); ``out`` itself where the pieces already follow each other."""
+    whole = _with(shape, d, sum(sizes))
+    _, a, m, b = out.shape
+    if a == 1 and all(k == m for k in sizes):
+        return out.reshape(whole)
+    res = _memory.empty(ctx.xp, (a, sum(sizes), b), ctx.dtype)
+    off = 0
+    for r, k in enumerate(sizes):
+        res[:, off : off + k] = out[r, :, :k]
+        off += k
+    return res.reshape(whole)
+
+
 def _all_gather(ctx: _Ctx, x, step: Step):
     group, t, p, c, ranks = _line(ctx, step)
-    d, xp = step.src[step.axis].dim, ctx.xp
+    d = step.src[step.axis].dim
     sizes = split_sizes(t[d], p)
-    m = max(sizes)
-    xb = _blocks(xp, x, d)  # (A, sizes[c], B)
-    a, b = xb.shape[0], xb.shape[2]
-    send = xb
-    if sizes[c] != m:  # padded to the largest piece (the padding is never read)
-        send = _memory.empty(xp, (a, m, b), ctx.dtype)
-        send[:, : sizes[c]] = xb
-    out = _memory.empty(xp, (p, a, m, b), ctx.dtype)  # every rank's piece, in rank order
+    send = _own_piece(ctx, x, d, sizes, c)
+    out = _memory.empty(ctx.xp, (p, *send.shape), ctx.dtype)  # every rank's piece, in rank order
     _groups.collective(
         "all_gather",
         commlib.all_gather_into_tensor,
@@ -130,15 +121,7 @@ def _all_gather(ctx: _Ctx, x, step: Step):
         ranks=ranks,
         nbytes=_nbytes(out),
     )
-    whole = _with(tuple(x.shape), d, sum(sizes))
-    if a == 1 and all(k == m for k in sizes):  # split along the first dimension that is not 1: out is the result
-        return out.reshape(whole)
-    res = _memory.empty(xp, (a, sum(sizes), b), ctx.dtype)
-    off = 0
-    for r, k in enumerate(sizes):
-        res[:, off : off + k] = out[r, :, :k]
-        off += k
-    return res.reshape(whole)
+    return _assemble(ctx, out, tuple(x.shape), d, sizes)
 
 
 def _reduced_then(ctx: _Ctx, buf, step: Step, c: int):
@@ -286,13 +269,13 @@ def _gather(ctx: _Ctx, x, step: Step):
     c, p, ranks = pl.coords(ctx.me)[0], pl.hierarchy[0], pl.flat
     d = step.src[0].dim
     sizes = split_sizes(ctx.shape[d], p)
-    send = _pad_pieces(xp, x, d, sizes, c, ctx.dtype)
-    out = _memory.empty(xp, (p * send.shape[0], *send.shape[1:]), ctx.dtype) if ctx.me == step.root else None
-    parts = [out[r * send.shape[0] : (r + 1) * send.shape[0]] for r in range(p)] if out is not None else None
+    send = _own_piece(ctx, x, d, sizes, c)
+    out = _memory.empty(xp, (p, *send.shape), ctx.dtype) if ctx.me == step.root else None
+    parts = [out[r] for r in range(p)] if out is not None else None
     _groups.collective(
         "gather", commlib.gather, send, parts, dst=step.root, group=group, ranks=ranks, nbytes=_nbytes(send) * p
     )
-    return _unpad(xp, out, d, sizes) if out is not None else empty_local(xp, ctx.dtype)
+    return _assemble(ctx, out, tuple(x.shape), d, sizes) if out is not None else empty_local(xp, ctx.dtype)
 
 
 def _reduce(ctx: _Ctx, x, step: Step):
