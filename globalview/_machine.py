@@ -40,7 +40,7 @@ __all__ = ["KINDS", "Machine", "cache_path", "fit"]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 SIZES = (1 << 12, 1 << 15, 1 << 18, 1 << 21, 1 << 24, 1 << 27)  # bytes of each rank's buffer (x8 apart)
 REPEATS = 5
-VERSION = 2  # of the measurements' method: a cache of another version is measured again
+VERSION = 3  # of the measurements' method: a cache of another version is measured again
 
 
 def cache_path() -> Path:
@@ -59,7 +59,8 @@ class Machine:
     param_overhead: float = 0.0  # per parameter and step: globalview's gradient hooks
     gather_overhead: float = 0.0  # per gather of the weights plan (_weights: prefetched, no boxing machinery)
     bandwidth: float = 1e10  # bytes per second of a memory-bound pass (read + write)
-    optimizer: dict[str, tuple[float, float]] = field(default_factory=dict)  # states -> (s per param, s per byte)
+    # states -> (s per parameter, ((bytes of a parameter, s per byte), ...)): see _optimizer
+    optimizer: dict[str, tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=dict)
     ops: dict[str, tuple[float, float]] = field(default_factory=dict)  # timed operators (see _optime)
 
     def collective(self, kind: str, p: int, nbytes: float, boxing: bool = True) -> float:
@@ -73,6 +74,18 @@ class Machine:
             return points[-1][1] * nbytes / points[-1][0] + extra
         sizes, secs = _logs(tuple(points))
         return math.exp(float(np.interp(math.log(max(nbytes, 1)), sizes, secs))) + extra
+
+    def optimizer_step(self, states: int, nbytes: float) -> float | None:
+        """Seconds of the optimizer's step (``states`` states per element) over one parameter of ``nbytes``: per
+        parameter, and per byte at the rate measured for parameters of that size (log-log between the sizes
+        measured, the nearest beyond them); None: not measured."""
+        got = self.optimizer.get(str(states))
+        if got is None:
+            return None
+        per_param, rates = got
+        sizes, per_byte = np.log([b for b, _ in rates]), np.log([max(r, 1e-15) for _, r in rates])
+        rate = math.exp(float(np.interp(math.log(max(nbytes, 1)), sizes, per_byte)))
+        return per_param + rate * nbytes
 
     def copy(self, nbytes: float) -> float:
         """Seconds to read and write ``nbytes`` once (a local boxing step: slice, zero, fill)."""
@@ -146,7 +159,7 @@ def fit(pl: Placement, largest: int = SIZES[-1], refresh: bool = False) -> Machi
     comm = {k: [tuple(x) for x in v] for k, v in data.pop("comm").items()}
     ops = {k: tuple(v) for k, v in data.pop("ops", {}).items()}
     data["op_overhead"] = tuple(data["op_overhead"])
-    data["optimizer"] = {k: tuple(v) for k, v in data.get("optimizer", {}).items()}
+    data["optimizer"] = {k: (v[0], tuple(tuple(x) for x in v[1])) for k, v in data.get("optimizer", {}).items()}
     machine = Machine(key, comm, ops=ops, **data)
     have = max((b for points in comm.values() for b, _ in points), default=0)
     if sizes[-1] > have:  # a larger model than measured for: the larger sizes now
@@ -206,6 +219,31 @@ def _time_collective(kind: str, p: int, nbytes: int, group: Any) -> float:
     return _slowest(min(times[2:]), commlib.ReduceOp.MAX)
 
 
+def _cache_bytes() -> int:
+    """Bytes of this CPU's largest cache (Linux's sysfs), 32 MiB where it does not say."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, KeyError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def _scratch() -> np.ndarray:
+    """What :func:`_evict` writes: as many bytes as the largest cache (at most 256 MiB)."""
+    return np.zeros(min(_cache_bytes(), 256 << 20) // 4, np.float32)
+
+
+def _evict(scratch: np.ndarray) -> None:
+    """Caches as a training step's computation leaves them between two collectives: each rank writes as many
+    bytes as the largest cache (which the ranks of a node share), about 1 ms. On this project's machine (32 MiB
+    L3, 2 ranks) a tiny conversion then took 134 us against 32 in a loop of them, and 90-230 us inside the GPT's
+    steps; twice the cache each took 215 us, half of it 49 us."""
+    scratch += 1.0
+
+
 def _bandwidth() -> float:
     """Bytes per second of ``a += b`` on 16 MiB float32 tensors (read two, write one)."""
     import torch
@@ -258,24 +296,28 @@ def _op_overhead(pl: Placement) -> tuple[float, float]:
 
 
 def _step_overhead(pl: Placement, machine: Machine) -> float:
-    """Per boxing step, beside its collective: tiny conversions to broadcast, less the measured collectives."""
+    """Per boxing step, beside its collective: a tiny conversion to broadcast, less the measured collectives, each
+    conversion after :func:`_evict` (untimed). Inside a training step an operator's computation comes between two
+    conversions and leaves globalview's own code and objects out of the caches: the GPT's tensor-parallel steps
+    paid 90-250 us per boxing step where conversions timed in a loop priced 35 (and were 0.7x their step time)."""
     import torch
 
     from globalview._create import zeros
     from globalview.sbp import broadcast, split
 
-    chain = 16
     x = zeros(2 * len(pl.flat), 2, dtype=torch.float32, placement=pl, sbp=(split(0),) * pl.ndim)
     b = (broadcast,) * pl.ndim
+    scratch = _scratch()
 
     def boxing() -> tuple[float, float]:
+        _evict(scratch)
+        commlib.barrier()
         start = clock()
-        for _ in range(chain):
-            x.to_global(sbp=b)
+        x.to_global(sbp=b)
         return clock() - start, 0.0
 
     raw = sum(machine.collective("all_gather", pl.hierarchy[a], 16) for a in range(pl.ndim))
-    step = max(0.0, _least(boxing, 15)[0] / chain - raw) / max(1, pl.ndim)
+    step = max(0.0, _least(boxing, 11)[0] - raw) / max(1, pl.ndim)
     return _slowest(step, commlib.ReduceOp.MAX)
 
 
@@ -314,36 +356,69 @@ def _param_overhead(pl: Placement, op_overhead: tuple[float, float]) -> float:
 def _gather_overhead(pl: Placement, machine: Machine) -> float:
     """Seconds per gather of the weights plan beside its collective: a stack of tiny Linear layers fully sharded
     (each weight gathered in forward and again in backward, each bias in forward; gradients bucketed) beside the
-    same stack data parallel, less the gathers' measured collectives."""
+    same stack data parallel, less the gathers' measured collectives. Between two layers, forward and backward,
+    the caches are left as a layer's computation leaves them (:func:`_evict`, its time not counted), as for
+    :func:`_step_overhead`."""
     import torch
 
     from globalview._tensor import to_global as make_global
     from globalview.nn import to_global
     from globalview.sbp import broadcast, split
 
-    layers, width = 16, 2 * len(pl.flat)
+    layers, width = 8, 2 * len(pl.flat)
     x = make_global(torch.zeros(2, width), pl, (split(0),) * pl.ndim)
+    scratch, spent = _scratch(), [0.0]
+
+    def evict() -> None:
+        start = clock()
+        _evict(scratch)
+        spent[0] += clock() - start
+
+    class Evicting(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: Any) -> Any:
+            evict()
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            evict()
+            return g
+
+    class Gap(torch.nn.Module):  # a layer's computation between two layers: caches evicted, forward and backward
+        def forward(self, t: Any) -> Any:
+            return t._like(Evicting.apply(t._local))
 
     def timer(sbp: Any) -> Callable[[], tuple[float, float]]:
-        model = to_global(torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))), pl, sbp)
+        stack = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), Gap())]
+        model = to_global(torch.nn.Sequential(*stack), pl, sbp)
 
         def step() -> tuple[float, float]:
+            spent[0] = 0.0
+            commlib.barrier()
             start = clock()
             model(x).sum().backward()
-            return clock() - start, 0.0
+            return clock() - start - spent[0], 0.0
 
         return step
 
-    sharded = _least(timer((split(0),) * pl.ndim), 15)[0]
-    replicated = _least(timer((broadcast,) * pl.ndim), 15)[0]
+    sharded = _least(timer((split(0),) * pl.ndim), 7)[0]
+    replicated = _least(timer((broadcast,) * pl.ndim), 7)[0]
     gathers = 3 * layers - 1  # weights in forward and again in backward (not the first: its input needs none), biases
     raw = sum(machine.collective("all_gather", p, 4.0 * width * width, boxing=False) for p in pl.hierarchy)
     return _slowest(max(0.0, (sharded - replicated) / gathers - raw), commlib.ReduceOp.MAX)
 
 
-def _optimizer(states: int) -> tuple[float, float]:
-    """(seconds per parameter, seconds per byte) of a torch optimizer's step with ``states`` states per element
-    (0: SGD, 1: SGD with momentum, 2: AdamW), from steps over one large and many small tensors."""
+OPT_SIZES = (1 << 20, 1 << 22, 1 << 23, 1 << 24)  # bytes of the parameters the optimizer's per-byte rate is timed at
+
+
+def _optimizer(states: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(seconds per parameter, ((bytes, seconds per byte), ...)) of a torch optimizer's step with ``states`` states
+    per element (0: SGD, 1: SGD with momentum, 2: AdamW): many tiny tensors, then tensors of each of
+    :data:`OPT_SIZES` (8 MiB of them at least). The rate per byte depends on a parameter's size: AdamW took 0.4 ns
+    a byte over 4 MiB parameters and 1.4 over one of 16 MiB (whose states and gradient no longer fit the 32 MiB
+    cache), so a plan that halves the parameters more than halves the step (the wide MLP's tensor-parallel
+    step was priced 1.3x its time at one rate)."""
     import torch
 
     def make(sizes: list[int]) -> Any:
@@ -362,11 +437,13 @@ def _optimizer(states: int) -> tuple[float, float]:
 
         return step
 
-    small = _least(timer(make([4] * 64)), 7)[0] / 64
-    large = _least(timer(make([1 << 22])), 5)[0]
-    per_param = _slowest(small, commlib.ReduceOp.MAX)
-    per_byte = _slowest(max(0.0, large - per_param) / (4 << 22), commlib.ReduceOp.MAX)
-    return per_param, per_byte
+    per_param = _slowest(_least(timer(make([4] * 64)), 7)[0] / 64, commlib.ReduceOp.MAX)
+    rates = []
+    for size in OPT_SIZES:
+        count = max(1, (8 << 20) // size)
+        spent = _least(timer(make([size // 4] * count)), 3)[0]
+        rates.append((size, _slowest(max(1e-13, spent / count - per_param) / size, commlib.ReduceOp.MAX)))
+    return per_param, tuple(rates)
 
 
 def engine() -> float:

@@ -302,8 +302,8 @@ class Pricer:
         if not leaf.grad:
             return 0.0, self.footprint(size), 0.0
         m = self.machine
-        per_param, per_byte = m.optimizer.get(str(self.states), (0.0, OPT_PASSES[self.states] / m.bandwidth))
-        t = m.param_overhead + per_param + per_byte * size
+        step = m.optimizer_step(self.states, size)
+        t = m.param_overhead + (OPT_PASSES[self.states] * size / m.bandwidth if step is None else step)
         axes = self.reduced_axes(layout)
         if axes:
             group = math.prod(self.pl.hierarchy[a] for a in axes)

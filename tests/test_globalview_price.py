@@ -68,6 +68,18 @@ def test_a_weight_not_needed_again_in_backward_is_gathered_once() -> None:
     assert gather < edge.time < 2 * gather
 
 
+def test_the_optimizer_is_priced_at_the_rate_measured_for_the_parameters_size() -> None:
+    """Per parameter plus bytes at the rate of that size: log-log between the measured sizes, the nearest beyond;
+    unmeasured states: None (the pricer falls back to passes over memory)."""
+    m = _machine_for_test()
+    m.optimizer = {"2": (1e-5, ((1 << 20, 4e-10), (1 << 24, 1.6e-9)))}
+    assert m.optimizer_step(2, 1 << 20) == pytest.approx(1e-5 + 4e-10 * (1 << 20))
+    assert m.optimizer_step(2, 1 << 22) == pytest.approx(1e-5 + 8e-10 * (1 << 22))  # halfway in log size
+    assert m.optimizer_step(2, 1 << 26) == pytest.approx(1e-5 + 1.6e-9 * (1 << 26))
+    assert m.optimizer_step(2, 1 << 10) == pytest.approx(1e-5 + 4e-10 * (1 << 10))
+    assert m.optimizer_step(0, 1 << 20) is None
+
+
 def test_timings_are_the_least_of_their_runs() -> None:
     """A run slowed by another job (a rank descheduled mid-call) does not count: the least run is the machine's."""
     runs = iter([(9.0, 9.0), (3.0, 5.0), (7.0, 1.0), (4.0, 2.0)])
