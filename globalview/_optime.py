@@ -1,7 +1,10 @@
 """Timing operators: a traced operator's local function, forward and backward, at the local shapes a plan gives it.
 
 Every rank times the same operators at once (as a training step runs them) and the slowest rank's time is
-kept, so every rank prices with the same numbers; results join the machine's cache (``_machine``).
+kept, so every rank prices with the same numbers; results join the machine's cache (``_machine``). An
+operator's time is the median of its runs in CPU seconds (:func:`_machine.clock`: other jobs' time slices are
+not counted in them): the least of them priced the wide MLP's matrix products 5-8% under their usual time,
+and every plan's step under its measured time.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def _time(node: Any, shapes: Sequence[tuple[int, ...]]) -> tuple[float, float]:
     except (RuntimeError, ValueError, IndexError, TypeError):
         return 0.0, 0.0  # a function that does not run at these shapes: priced by its boxing alone
     runs, spent = [], 0.0
-    while len(runs) < MAX_REPEATS and (spent < BUDGET_S or len(runs) < 2) and sum(first) < 1.0:
+    while len(runs) < MAX_REPEATS and (spent < BUDGET_S or len(runs) < 3) and sum(first) < 1.0:
         runs.append(_once(node.op.fn, args))
         spent += sum(runs[-1])
     runs = runs or [first]
-    return min(r[0] for r in runs), min(r[1] for r in runs)  # the least: the machine's, not other jobs' (_machine)
+    return float(np.median([r[0] for r in runs])), float(np.median([r[1] for r in runs]))
