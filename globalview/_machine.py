@@ -83,7 +83,7 @@ class Machine:
         if got is None:
             return None
         per_param, rates = got
-        sizes, per_byte = np.log([b for b, _ in rates]), np.log([max(r, 1e-15) for _, r in rates])
+        sizes, per_byte = _logs(rates)
         rate = math.exp(float(np.interp(math.log(max(nbytes, 1)), sizes, per_byte)))
         return per_param + rate * nbytes
 
@@ -97,7 +97,7 @@ class Machine:
 
 @functools.lru_cache(maxsize=64)
 def _logs(points: tuple) -> tuple[np.ndarray, np.ndarray]:
-    return np.log([b for b, _ in points]), np.log([max(s, 1e-9) for _, s in points])
+    return np.log([b for b, _ in points]), np.log([max(s, 1e-15) for _, s in points])  # s: seconds, or per byte
 
 
 def clock() -> float:
@@ -464,20 +464,24 @@ def engine() -> float:
     return _least(once, 15)[0]
 
 
+def _runs(fn: Callable[[], tuple[float, float]], n: int) -> np.ndarray:
+    """``n`` runs of ``fn`` after one warm-up: an ``(n, 2)`` array."""
+    fn()
+    return np.array([fn() for _ in range(n)], np.float64)
+
+
 def _typical(fn: Callable[[], tuple[float, float]], n: int) -> tuple[float, float]:
     """The median of ``n`` runs of ``fn`` (after one warm-up), per component: for what is timed with the caches
     evicted (:func:`_evict`), whose runs differ by what stayed in the caches, not by other jobs' time slices (CPU
     seconds do not count those): the least of 11 runs put a boxing step's overhead at 114-188 us over three
     measurements of the same machine, the median of 21 at 129-175 over eight."""
-    fn()
-    runs = [fn() for _ in range(n)]
-    return float(np.median([r[0] for r in runs])), float(np.median([r[1] for r in runs]))
+    fwd, bwd = np.median(_runs(fn, n), axis=0)
+    return float(fwd), float(bwd)
 
 
 def _least(fn: Callable[[], tuple[float, float]], n: int) -> tuple[float, float]:
     """The least of ``n`` runs of ``fn`` (after one warm-up), per component: the machine's cost. On a shared
     machine a run during which a rank was descheduled waits out its peer's time slice, spinning; a median of a
     few runs kept that (a boxing step's overhead measured at 0.7 ms, its cost on an idle machine 0.1 ms)."""
-    fn()
-    runs = [fn() for _ in range(n)]
-    return min(r[0] for r in runs), min(r[1] for r in runs)
+    fwd, bwd = _runs(fn, n).min(axis=0)
+    return float(fwd), float(bwd)

@@ -14,6 +14,7 @@ Each test prints the commands, both checksums and both median step times (``pyte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -38,19 +39,19 @@ def results(job: Finished) -> list[dict]:
 
 
 # gloo, the reference, now and then aborts in its own teardown, after the job printed its results (about 1 run
-# in 8 of the Accelerate example here: a std::thread still joinable in destroy_process_group, SIGABRT). Its
-# run is then repeated (at most twice); commlib's runs never are.
+# in 8 of the Accelerate example here, and three runs in a row once: a std::thread still joinable in
+# destroy_process_group, SIGABRT). What it printed before is its result: a reference run that ends so is taken
+# as it printed it (and says so); commlib's runs must exit 0.
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def reference(cmd: list[str], tmp_path: Path) -> Finished:
-    """The gloo run of ``cmd``, run again when gloo aborted in its teardown (and only then)."""
-    for attempt in range(3):
-        job = run_job(cmd, DEADLINE, clean_env(), cwd=tmp_path)
-        if job.returncode == 0 or GLOO_TEARDOWN_ABORT not in job.stderr or "RESULT " not in job.stdout or attempt == 2:
-            return job
-        print(f"\ngloo aborted in its teardown (SIGABRT after its results): running it again\n{job.stderr[-600:]}")
-    raise AssertionError("unreachable")
+    """The gloo run of ``cmd``; one that aborted in gloo's teardown after printing its results counts as done."""
+    job = run_job(cmd, DEADLINE, clean_env(), cwd=tmp_path)
+    if job.returncode != 0 and GLOO_TEARDOWN_ABORT in job.stderr and "RESULT " in job.stdout:
+        print(f"\ngloo aborted in its teardown (SIGABRT after its results): its results taken\n{job.stderr[-600:]}")
+        return dataclasses.replace(job, returncode=0)
+    return job
 
 
 def both(cmd: list[str], tmp_path: Path) -> dict[str, dict]:
