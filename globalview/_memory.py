@@ -14,6 +14,7 @@ Only numpy buffers of at least ``MIN_BYTES`` are pooled; the pool keeps at most
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import threading
 from typing import Any
@@ -52,7 +53,7 @@ def empty(xp: Any, shape: Any, dtype: Any) -> Any:
     """``xp.empty(shape, dtype)``, from the pool for large numpy buffers."""
     dtype = np.dtype(dtype)
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    n = math.prod(shape) * dtype.itemsize  # not numpy's prod: 3 us, 25 with cold caches (each boxing step asks)
     if xp is not np or n < MIN_BYTES or _LIMIT <= 0:
         return xp.empty(shape, dtype)
     with _lock:

@@ -92,10 +92,14 @@ class placement(Frozen):
         return found
 
     def line(self, coords: tuple[int, ...], axis: int) -> tuple[int, ...]:
-        """The ranks that share every coordinate of ``coords`` but the one on ``axis``."""
-        index = list(coords)
-        index[axis] = slice(None)
-        return tuple(int(r) for r in self._mesh[tuple(index)])
+        """The ranks that share every coordinate of ``coords`` but the one on ``axis`` (kept: each boxing step
+        asks, and numpy's indexing costs 10 us with cold caches)."""
+        key = (tuple(coords), axis)
+        if (found := self._lines.get(key)) is None:
+            index: list[Any] = list(coords)
+            index[axis] = slice(None)
+            found = self._lines[key] = tuple(int(r) for r in self._mesh[tuple(index)])
+        return found
 
     def lines(self, axis: int) -> list[tuple[int, ...]]:
         """All the mesh's lines along ``axis``, in row-major order of the other coordinates."""

@@ -161,6 +161,9 @@ def as_array(obj: object, *, writable: bool = False, where: str = "commlib.array
     a non-contiguous layout, or (with ``writable``) a read-only array.
     """
     ctx = _Where("")
+    a = _cpu_tensor_view(obj)
+    if a is not None:
+        return host_array(a, ctx, where, "array", writable)
     if _requires_grad(obj):  # torch's __cuda_array_interface__ raises for it, even in _on_device's hasattr
         obj = obj.detach()  # type: ignore[attr-defined]
     if _on_device(obj):
@@ -183,9 +186,27 @@ def from_array(a: Any, like: object) -> Any:
     return a
 
 
+def _cpu_tensor_view(obj: object) -> np.ndarray | None:
+    """A plain torch CPU tensor's numpy view (``Tensor.numpy()``: 0.7 us, 5 us with cold caches, where DLPack and
+    the device probe cost 3 and 25: globalview converts each boxed part so); None: anything else, or a tensor
+    ``numpy()`` refuses (bfloat16, a conjugate or negative view), for the general path."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":  # type: ignore[attr-defined]
+        return None
+    try:
+        return obj.detach().numpy()  # type: ignore[attr-defined]
+    except (RuntimeError, TypeError):
+        return None
+
+
 def _torch_view(a: Any) -> Any:
     import torch
 
+    if type(a) is np.ndarray and a.dtype != bfloat16 and a.flags.writeable:
+        try:  # 0.6 us, 4.5 with cold caches; DLPack's 1.6 and 12
+            return torch.from_numpy(a)
+        except (TypeError, ValueError):  # a dtype torch has no tensor of, negative strides
+            pass
     if a.dtype == bfloat16:  # numpy cannot export bfloat16 through DLPack: move its bits as int16
         return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
     if isinstance(a, np.ndarray) and not a.flags.writeable:
