@@ -191,7 +191,7 @@ def _cpu_tensor_view(obj: object) -> np.ndarray | None:
     the device probe cost 3 and 25: globalview converts each boxed part so); None: anything else, or a tensor
     ``numpy()`` refuses (bfloat16, a conjugate or negative view), for the general path."""
     torch = sys.modules.get("torch")
-    if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":  # type: ignore[attr-defined]
+    if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter) or not obj.is_cpu:  # type: ignore[attr-defined]
         return None
     try:
         return obj.detach().numpy()  # type: ignore[attr-defined]
