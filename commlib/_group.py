@@ -226,7 +226,8 @@ class ProcessGroup:
 
     def run_p2p(self, name: str, p: ReadyOp, inp: Any, out: Any, counted: bool = False) -> bool:
         """A blocking send or receive through a ready operation (as :meth:`run_ready`, not numbered nor recorded),
-        counted for the closing check unless ``counted``; False: the arrays are not its (nothing happened)."""
+        counted for the closing check unless ``counted``; False: the arrays are not its (nothing happened).
+        (``commlib.send`` and ``recv`` inline it.)"""
         done: bool | BaseException | None
         try:
             done = p.go(inp, out, 0)
@@ -234,14 +235,21 @@ class ProcessGroup:
             done = e
         if done is None:
             return False
+        if not counted:
+            (self.sent if p.call.kind == "send" else self.received)[p.call.root] += 1
+        if done is not True:
+            self.p2p_rest(name, p, out, done, counted=True)
+        return True
+
+    def p2p_rest(self, name: str, p: ReadyOp, out: Any, done: Any, counted: bool = False) -> None:
+        """:meth:`run_p2p` after a ``go()`` that did not complete (``done`` False: wait, finish) or raised
+        (``done``: the exception); counted for the closing check unless ``counted``."""
         c = p.call
         counts = self.sent if c.kind == "send" else self.received
         if not counted:
             counts[c.root] += 1
-        if done is not True:
-            exc = done if isinstance(done, BaseException) else None
-            self.ready_rest(name, p, out, 0, -1, exc, c.root, counts[c.root])
-        return True
+        exc = done if isinstance(done, BaseException) else None
+        self.ready_rest(name, p, out, 0, -1, exc, c.root, counts[c.root])
 
     def message(
         self, name: str, c: Call, inp: Any, out: Any, key: Any = None, finish: Callable[[], None] | None = None

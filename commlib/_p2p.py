@@ -119,9 +119,17 @@ def send(
         and (ready := g.ready) is not None
         and not g.pending
         and (p := ready.get(("send", tensor.nbytes, dst, tag))) is not None
-        and g.run_p2p("send", p, tensor, None)
     ):
-        return
+        try:  # ProcessGroup.run_p2p, inlined: a Python call is a tenth of a small send
+            done: Any = p.go(tensor, None, 0)
+        except BaseException as e:
+            done = e
+        if done is True:
+            g.sent[p.call.root] += 1
+            return
+        if done is not None:
+            g.p2p_rest("send", p, None, done)
+            return
     g, c, a = _send_args(tensor, dst, group, tag, group_dst, "send")
     key = ("send", a.nbytes, dst, c.tag) if group_dst is None else None
     g.message("send", c, a, None, key)
@@ -141,9 +149,17 @@ def recv(
         and (ready := g.ready) is not None
         and not g.pending
         and (p := ready.get(("recv", tensor.nbytes, src, tag))) is not None
-        and g.run_p2p("recv", p, None, tensor)
     ):
-        return src
+        try:
+            done: Any = p.go(None, tensor, 0)
+        except BaseException as e:
+            done = e
+        if done is True:
+            g.received[p.call.root] += 1
+            return src
+        if done is not None:
+            g.p2p_rest("recv", p, tensor, done)
+            return src
     g, c, a, back = _recv_args(tensor, src, group, tag, group_src, "recv")
     key = ("recv", a.nbytes, src, c.tag) if group_src is None and back is None and c.root >= 0 else None
     return g.ranks[g.message("recv", c, None, a, key, back)]
