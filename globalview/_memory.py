@@ -53,7 +53,7 @@ def empty(xp: Any, shape: Any, dtype: Any) -> Any:
     """``xp.empty(shape, dtype)``, from the pool for large numpy buffers."""
     dtype = np.dtype(dtype)
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
-    n = math.prod(shape) * dtype.itemsize  # not numpy's prod: 3 us, 25 with cold caches (each boxing step asks)
+    n = int(math.prod(shape)) * dtype.itemsize  # not numpy's prod: 3 us, 25 with cold caches (each boxing step asks)
     if xp is not np or n < MIN_BYTES or _LIMIT <= 0:
         return xp.empty(shape, dtype)
     with _lock:
