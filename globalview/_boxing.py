@@ -170,26 +170,50 @@ def _reduce_scatter(ctx: _Ctx, x, step: Step):
 
 def _all_to_all(ctx: _Ctx, x, step: Step):
     group, t, p, c, ranks = _line(ctx, step)
-    d, e, xp = step.src[step.axis].dim, step.dst[step.axis].dim, ctx.xp
+    d, e = step.src[step.axis].dim, step.dst[step.axis].dim
     sd, se = split_sizes(t[d], p), split_sizes(t[e], p)
     md, me = max(sd), max(se)
     if all(k == md for k in sd) and all(k == me for k in se):
         return _all_to_all_even(ctx, x, d, e, p, md, me, (group, ranks))
-    xm = xp.moveaxis(x, (d, e), (0, 1))  # (sd[c], t[e], rest...)
-    send = _memory.empty(xp, (p, md, me, *xm.shape[2:]), ctx.dtype)  # padding is never read
+    return _all_to_all_uneven(ctx, x, d, e, sd, se, c, (group, ranks))
+
+
+def _all_to_all_uneven(ctx: _Ctx, x, d: int, e: int, sd: list[int], se: list[int], c: int, line: tuple) -> Any:
+    """S(d) -> S(e) in pieces of different sizes, with the all_to_all's split sizes (no padding): rank r gets this
+    rank's piece ``r`` along ``e`` (``se[r]`` long), and this rank's result is every rank's piece (``sd[r]`` along
+    ``d``), in rank order along ``d``; runs of whole pieces copied (as :func:`_blocks`)."""
+    xp, (group, ranks) = ctx.xp, line
+    xb = _blocks(xp, x, e)  # (A, sum(se), B): piece r is [:, off_r : off_r + se[r]]
+    a, b = xb.shape[0], xb.shape[2]
+    send = _memory.empty(xp, (xb.size,), ctx.dtype)
     off = 0
-    for r in range(p):
-        send[r, : sd[c], : se[r]] = xm[:, off : off + se[r]]
-        off += se[r]
-    recv = _memory.empty(xp, send.shape, ctx.dtype)
+    for k in se:
+        send[a * off * b : a * (off + k) * b] = xb[:, off : off + k].reshape(-1)
+        off += k
+    mine = _with(tuple(x.shape), e, se[c])  # every piece this rank gets: its sizes along e, each rank's along d
+    outer, inner = math.prod(mine[:d]), math.prod(mine[d + 1 :])
+    rest = outer * inner  # elements per index along d
+    recv = _memory.empty(xp, (sum(sd) * rest,), ctx.dtype)
     _groups.collective(
-        "all_to_all", commlib.all_to_all_single, recv, send, group=group, ranks=ranks, nbytes=_nbytes(send)
+        "all_to_all",
+        commlib.all_to_all_single,
+        recv,
+        send,
+        [k * rest for k in sd],
+        [a * k * b for k in se],
+        group=group,
+        ranks=ranks,
+        nbytes=_nbytes(send),
     )
-    if all(k == md for k in sd) and se[c] == me:  # even pieces: the received buffer is the result
-        out = recv.reshape(p * md, me, *recv.shape[3:])
-    else:
-        out = xp.concatenate([recv[r, : sd[r], : se[c]] for r in range(p)], axis=0)
-    return xp.ascontiguousarray(xp.moveaxis(out, (0, 1), (d, e)))
+    whole = _with(mine, d, sum(sd))
+    if outer == 1:
+        return recv.reshape(whole)  # the pieces follow each other along d already
+    res = _memory.empty(xp, (outer, sum(sd), inner), ctx.dtype)
+    off = 0
+    for k in sd:
+        res[:, off : off + k] = recv[outer * off * inner : outer * (off + k) * inner].reshape(outer, k, inner)
+        off += k
+    return res.reshape(whole)
 
 
 def _all_to_all_even(ctx: _Ctx, x, d: int, e: int, p: int, md: int, me: int, line: tuple) -> Any:
