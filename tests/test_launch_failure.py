@@ -288,7 +288,16 @@ if rank == "0":
 while not os.path.exists(f"{folder}/rank0.pid"):
     time.sleep(0.01)
 pid = open(f"{folder}/rank0.pid").read()
-while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+
+
+def running() -> bool:  # rank 0 neither reaped nor a zombie (it can be reaped between two reads of /proc)
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+while running():
     time.sleep(0.01)
 sys.exit(3)
 """
