@@ -169,41 +169,29 @@ def _reduce_scatter(ctx: _Ctx, x, step: Step):
 
 
 def _all_to_all(ctx: _Ctx, x, step: Step):
+    """S(d) -> S(e): rank r gets this rank's piece ``r`` along ``e``, and this rank's result is every rank's piece,
+    in rank order along ``d``; runs of whole pieces copied (as :func:`_blocks`). Pieces of different sizes go
+    with the all_to_all's split sizes (no padding)."""
     group, t, p, c, ranks = _line(ctx, step)
-    d, e = step.src[step.axis].dim, step.dst[step.axis].dim
+    d, e, xp = step.src[step.axis].dim, step.dst[step.axis].dim, ctx.xp
     sd, se = split_sizes(t[d], p), split_sizes(t[e], p)
-    md, me = max(sd), max(se)
-    if all(k == md for k in sd) and all(k == me for k in se):
-        return _all_to_all_even(ctx, x, d, e, p, md, me, (group, ranks))
-    return _all_to_all_uneven(ctx, x, d, e, sd, se, c, (group, ranks))
-
-
-def _all_to_all_uneven(ctx: _Ctx, x, d: int, e: int, sd: list[int], se: list[int], c: int, line: tuple) -> Any:
-    """S(d) -> S(e) in pieces of different sizes, with the all_to_all's split sizes (no padding): rank r gets this
-    rank's piece ``r`` along ``e`` (``se[r]`` long), and this rank's result is every rank's piece (``sd[r]`` along
-    ``d``), in rank order along ``d``; runs of whole pieces copied (as :func:`_blocks`)."""
-    xp, (group, ranks) = ctx.xp, line
     xb = _blocks(xp, x, e)  # (A, sum(se), B): piece r is [:, off_r : off_r + se[r]]
     a, b = xb.shape[0], xb.shape[2]
-    send = _memory.empty(xp, (xb.size,), ctx.dtype)
-    off = 0
-    for k in se:
-        send[a * off * b : a * (off + k) * b] = xb[:, off : off + k].reshape(-1)
-        off += k
-    mine = _with(tuple(x.shape), e, se[c])  # every piece this rank gets: its sizes along e, each rank's along d
+    if a == 1:
+        send = xb.reshape(-1)  # the pieces follow each other already
+    else:
+        send = _memory.empty(xp, (xb.size,), ctx.dtype)
+        off = 0
+        for k in se:
+            send[a * off * b : a * (off + k) * b].reshape(a, k, b)[...] = xb[:, off : off + k]  # one copy: a view
+            off += k
+    mine = _with(tuple(x.shape), e, se[c])  # every piece this rank gets: its size along e, each rank's along d
     outer, inner = math.prod(mine[:d]), math.prod(mine[d + 1 :])
-    rest = outer * inner  # elements per index along d
-    recv = _memory.empty(xp, (sum(sd) * rest,), ctx.dtype)
+    recv = _memory.empty(xp, (sum(sd) * outer * inner,), ctx.dtype)
+    even = len(set(sd)) == 1 and len(set(se)) == 1
+    splits = () if even else ([k * outer * inner for k in sd], [a * k * b for k in se])
     _groups.collective(
-        "all_to_all",
-        commlib.all_to_all_single,
-        recv,
-        send,
-        [k * rest for k in sd],
-        [a * k * b for k in se],
-        group=group,
-        ranks=ranks,
-        nbytes=_nbytes(send),
+        "all_to_all", commlib.all_to_all_single, recv, send, *splits, group=group, ranks=ranks, nbytes=_nbytes(send)
     )
     whole = _with(mine, d, sum(sd))
     if outer == 1:
@@ -213,39 +201,6 @@ def _all_to_all_uneven(ctx: _Ctx, x, d: int, e: int, sd: list[int], se: list[int
     for k in sd:
         res[:, off : off + k] = recv[outer * off * inner : outer * (off + k) * inner].reshape(outer, k, inner)
         off += k
-    return res.reshape(whole)
-
-
-def _all_to_all_even(ctx: _Ctx, x, d: int, e: int, p: int, md: int, me: int, line: tuple) -> Any:
-    """S(d) -> S(e) in pieces of one size: rank r gets this rank's piece ``r`` along ``e``, and this rank's result
-    is every rank's piece, in rank order along ``d``; runs of whole pieces copied (as :func:`_blocks`)."""
-    xp, (group, ranks) = ctx.xp, line
-    xb = _blocks(xp, x, e)  # (A, p * me, B): piece r is [:, r * me : (r + 1) * me]
-    a, b = xb.shape[0], xb.shape[2]
-    if a == 1:
-        send = xb  # the pieces follow each other already
-    else:
-        send = _memory.empty(xp, (p, a, me, b), ctx.dtype)
-        for r in range(p):
-            send[r] = xb[:, r * me : (r + 1) * me]
-    recv = _memory.empty(xp, (p * a * me * b,), ctx.dtype)
-    _groups.collective(
-        "all_to_all",
-        commlib.all_to_all_single,
-        recv,
-        send.reshape(-1),
-        group=group,
-        ranks=ranks,
-        nbytes=_nbytes(recv),
-    )
-    piece = _with(tuple(x.shape), e, me)  # rank r's piece: its part along d, this rank's along e
-    rb = recv.reshape(p, math.prod(piece[:d]), md, math.prod(piece[d + 1 :]))
-    whole = _with(piece, d, p * md)
-    if rb.shape[1] == 1:
-        return recv.reshape(whole)
-    res = _memory.empty(xp, (rb.shape[1], p * md, rb.shape[3]), ctx.dtype)
-    for r in range(p):
-        res[:, r * md : (r + 1) * md] = rb[r]
     return res.reshape(whole)
 
 
