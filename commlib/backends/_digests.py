@@ -59,13 +59,15 @@ class Digests:
 
     def fold(self) -> None:
         """Fold the calls noted since the last fold into the running digest, in order."""
-        pending, self.pending = self.pending, []
+        pending = self.pending  # the same list throughout: the nccl backend appends to it directly
+        if not pending:
+            return
         calls, recent = self.calls, self.recent
         for seq, call in pending:
             calls = ((calls ^ digest(call)) * _MIX) & _MASK
             recent.append((seq, calls, call))
-        if pending:
-            self.calls, self.seq = calls, pending[-1][0]
+        self.calls, self.seq = calls, pending[-1][0]
+        pending.clear()
 
     def message(self, call: Call) -> None:
         """Fold a send or a receive (its message's description, the same on both sides)."""

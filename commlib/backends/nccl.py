@@ -28,6 +28,7 @@ from commlib.arrays import address, bfloat16, device_array, host_array, to_host
 from commlib.backends._call import Call, describe
 from commlib.backends._cuda import emulated, load, nccl_unavailable_reason, unavailable
 from commlib.backends._digests import Digests, difference
+_RECENT = Digests.RECENT  # calls noted before a fold (see start)
 from commlib.backends.base import (
     AllOf,
     Backend,
@@ -218,6 +219,7 @@ class NcclBackend(Backend):
         self._aborted = False
         self._version = int(nccl.get_version())
         self.running = Digests(self.size)  # the check: every call folded, compared off the device's path
+        self._noted = self.running.pending
         self._flag = xp.zeros(1, np.float32)  # barrier's all-reduce, allocated once
         self._launches: dict[str, Callable[[Call, Any, Any], tuple[Callable[..., None], tuple, tuple]]] = {
             "all_reduce": self._all_reduce,
@@ -314,8 +316,11 @@ class NcclBackend(Backend):
             if call.root < 0:
                 raise ValueError("recv: NCCL cannot receive from any source; pass src")
             self.running.message(call)
-        else:
-            self.running.collective(call, seq)
+        else:  # Digests.collective, inlined: every call of the device path comes here
+            noted = self._noted
+            noted.append((seq, call))
+            if len(noted) >= _RECENT:
+                self.running.fold()
         launch = self._launches.get(kind)
         if launch is None or type(inp) is list or type(out) is list:  # composed; or lists of arrays, in place
             return (
