@@ -2,12 +2,14 @@
 
     python benchmarks/recovery.py                  # 4 and 8 ranks, median of 5 runs; then the training runs
     python benchmarks/recovery.py --ranks 4 --runs 3 --no-training
-    python benchmarks/recovery.py --smoke          # CI: 3 ranks once, then 30 steps on 3 ranks (commlib only)
+    python benchmarks/recovery.py --smoke          # CI: 3 ranks once per API, then 30 steps on 3 ranks
 
 Part 1, under ``python -m commlib.launch --on-failure continue``: N ranks run an all_reduce loop (1024 float32);
 rank 2 is SIGKILLed from outside. Each survivor reports, in seconds after the kill: when its call raised
 ``RankFailedError`` naming the dead rank (detection), when ``shrink_group`` returned (agreement and the new
 communicator), when the first all_reduce on the shrunk group was right (first good call); 20 more are checked.
+Through commlib's API, and through torch's (``torch.distributed`` on ``backend="commlib"``: torch's
+``init_process_group``, ``all_reduce`` and ``dist.shrink_group``, under the same launcher).
 A row shows the median over the runs of the slowest survivor.
 
 Part 2, ``examples/train_through_failure.py`` on 4 ranks, 200 steps: under ``commlib.launch --on-failure
@@ -67,6 +69,37 @@ except dist.RankFailedError as e:
             event("first")
     event("done", right=right)
 """
+# the same loop through torch's API on backend="commlib": torch's init_process_group (its own store, from rank 0,
+# at the MASTER_PORT the launcher gives), torch's all_reduce, torch's dist.shrink_group
+TORCH_LOOP = """
+import datetime, json, os, time
+import torch
+import torch.distributed as tdist
+import commlib as dist
+def event(what, **kw):
+    print("EVENT " + json.dumps({"what": what, "pid": os.getpid(), "t": time.time(), **kw}), flush=True)
+tdist.init_process_group(backend="commlib", timeout=datetime.timedelta(seconds=60))
+for _ in range(5):
+    tdist.all_reduce(torch.ones(1024))
+event("ready", rank=tdist.get_rank())
+try:
+    while True:
+        tdist.all_reduce(torch.ones(1024))
+except dist.RankFailedError as e:
+    event("raised", failed=e.failed_ranks)
+    tdist.shrink_group(e.failed_ranks)
+    event("shrunk")
+    n = tdist.get_world_size()
+    right = 0
+    for i in range(21):
+        y = torch.full((1024,), tdist.get_rank() + 1.0)
+        tdist.all_reduce(y)
+        right += bool((y == n * (n + 1) / 2).all())
+        if i == 0 and right:
+            event("first")
+    event("done", right=right)
+tdist.destroy_process_group()
+"""
 _EVENT = re.compile(r"^\[(\d+)\] EVENT (.*)$")
 
 
@@ -81,11 +114,12 @@ def _port() -> int:
     return free_port()  # below the ephemeral range: no outgoing connection takes it before the launcher listens
 
 
-def one_kill(n: int, victim: int = 2, timeout: float = 120.0) -> dict[str, float] | None:
-    """One job of ``n`` ranks losing ``victim``: the slowest survivor's seconds after the kill, per step."""
+def one_kill(n: int, api: str = "commlib", victim: int = 2, timeout: float = 120.0) -> dict[str, float] | None:
+    """One job of ``n`` ranks losing ``victim``, through ``api`` (commlib's or torch's): the slowest survivor's
+    seconds after the kill, per step."""
     with tempfile.TemporaryDirectory() as tmp:
         program = Path(tmp) / "loop.py"
-        program.write_text(LOOP)
+        program.write_text(LOOP if api == "commlib" else TORCH_LOOP)
         cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", str(n), "--on-failure", "continue"]
         cmd += ["--master_port", str(_port()), str(program)]
         errors = open(Path(tmp) / "stderr", "w+")  # noqa: SIM115 (read back below, closed with the folder)
@@ -113,7 +147,7 @@ def one_kill(n: int, victim: int = 2, timeout: float = 120.0) -> dict[str, float
     survivors = [e for r, e in events.items() if r != victim]
     if killed_at is None or not all("done" in e and e["done"]["right"] == 21 for e in survivors):
         reached = {r: sorted(e) for r, e in sorted(events.items())}
-        print(f"# {n} ranks: a run did not recover: {reached}; " + " | ".join(said), file=sys.stderr)
+        print(f"# {api}, {n} ranks: a run did not recover: {reached}; " + " | ".join(said), file=sys.stderr)
         return None
     return {step: max(e[step]["t"] - killed_at for e in survivors) for step in ("raised", "shrunk", "first")}
 
@@ -122,16 +156,18 @@ def _median(runs: list[dict[str, float]], step: str) -> float:
     return statistics.median(r[step] for r in runs)
 
 
-def part1(ranks: list[int], runs: int) -> None:
+def part1(ranks: list[int], runs: int, apis: list[str]) -> None:
     print(f"# a rank of N SIGKILLed in an all_reduce loop: seconds after the kill, slowest survivor, median of {runs}")
-    print(f"{'ranks':>6} {'detection':>10} {'agreement':>10} {'first good':>11}  runs")
-    for n in ranks:
-        done = [r for r in (one_kill(n) for _ in range(runs)) if r is not None]
-        if not done:
-            print(f"{n:>6}  (no run recovered)")
-            continue
-        cells = " ".join(f"{_median(done, s):>10.3f}" for s in ("raised", "shrunk"))
-        print(f"{n:>6} {cells} {_median(done, 'first'):>11.3f}  {len(done)}/{runs}", flush=True)
+    print("# api commlib: commlib.all_reduce, commlib.shrink_group; torch: torch.distributed on backend='commlib'")
+    print(f"{'api':>8} {'ranks':>6} {'detection':>10} {'agreement':>10} {'first good':>11}  runs")
+    for api in apis:
+        for n in ranks:
+            done = [r for r in (one_kill(n, api) for _ in range(runs)) if r is not None]
+            if not done:
+                print(f"{api:>8} {n:>6}  (no run recovered)")
+                continue
+            cells = " ".join(f"{_median(done, s):>10.3f}" for s in ("raised", "shrunk"))
+            print(f"{api:>8} {n:>6} {cells} {_median(done, 'first'):>11.3f}  {len(done)}/{runs}", flush=True)
 
 
 def _results(out: str) -> list[dict]:
@@ -234,6 +270,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--api", nargs="+", choices=["commlib", "torch"], default=["commlib", "torch"], help="part 1")
     p.add_argument("--no-training", action="store_true", help="part 1 only")
     p.add_argument("--repeats", type=int, default=3, help="part 2: runs of each kind (medians)")
     p.add_argument(
@@ -241,10 +278,10 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.smoke:
-        part1([3], 1)
+        part1([3], 1, ["commlib", "torch"])
         part2(30, 10, 20, ("spare",), repeats=1, ranks=3)  # torchrun's restarts: the full run only
         return
-    part1(args.ranks, args.runs)
+    part1(args.ranks, args.runs, args.api)
     if not args.no_training:
         part2(args.steps, 50, 100, repeats=args.repeats)
 

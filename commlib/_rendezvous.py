@@ -164,7 +164,8 @@ def _torchrun_store(info: LaunchInfo, timeout: float) -> Store:
 
 
 def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float, serve: bool = False) -> Store:
-    """The store named by ``init_method``: ``tcp://host:port``, ``file:///path``, or ``env://`` (MASTER_ADDR/PORT).
+    """The store named by ``init_method``: ``tcp://host:port``, ``file:///path``, or ``env://`` (MASTER_ADDR/PORT;
+    under ``commlib.launch`` serving the job's store, the address it gives in ``COMMLIB_STORE_SERVED``).
 
     ``serve``: rank 0 serves a TCP store itself (else it is a client of one served elsewhere, e.g. by
     node 0's ``commlib.launch``).
@@ -177,6 +178,9 @@ def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float, serve: 
         if not host or not port.isdigit():
             raise ValueError(f"init_process_group: init_method must look like tcp://host:port, got {init_method!r}")
         address = (host.strip("[]"), int(port))
+    elif (served := setting("COMMLIB_STORE_SERVED")) not in ("", "1"):  # commlib.launch's, beside MASTER_PORT
+        host, _, port = served.rpartition(":")
+        address, serve = (host.strip("[]"), int(port)), False
     elif info.master_addr and info.master_port:
         address = (info.master_addr, info.master_port)
     else:

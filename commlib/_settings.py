@@ -80,6 +80,16 @@ def _text(text: str) -> str:
     return text
 
 
+def _served(text: str) -> str:
+    """ "" (not served), "1" (served at MASTER_ADDR:MASTER_PORT) or the "host:port" it is served at."""
+    if text in ("0", "1"):
+        return "" if text == "0" else text
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be 0, 1 or host:port")
+    return text
+
+
 def _megabytes(text: str) -> float:
     n = float(text)
     if not n >= 0:
@@ -228,9 +238,10 @@ TABLE: tuple[Setting, ...] = (
     Setting(
         "COMMLIB_STORE_SERVED",
         "0",
-        _flag,
-        "1: the rendezvous store at MASTER_ADDR:MASTER_PORT is served already (by commlib.launch, so that it "
-        "outlives any rank): rank 0 connects to it instead of serving it",
+        _served,
+        "host:port (or 1: MASTER_ADDR:MASTER_PORT): the job's rendezvous store is served there already (by "
+        "commlib.launch, so that it outlives any rank): rank 0 connects to it instead of serving it, and "
+        "MASTER_PORT is left to torch's init_process_group",
         plumbing=True,
     ),
     Setting(

@@ -9,8 +9,8 @@ a survivor may have finished the step the others lost) and go on: each step's gl
 samples whatever the number of ranks) is shared by one rank fewer. From step
 ``--admit-from`` on, while they are fewer than at the start, they call ``commlib.grow_group()`` before each
 step: a process started with ``COMMLIB_JOIN=1`` (``--on-failure replace`` starts one at the failure;
-``--spares 1`` starts one with the job, warm and waiting; so can you, by hand, with the job's MASTER_ADDR and
-MASTER_PORT) is taken in, receives the state with ``ddp.broadcast_state`` and trains with them to the end.
+``--spares 1`` starts one with the job, warm and waiting; so can you, by hand, with MASTER_ADDR and
+MASTER_PORT set to the job's store: the launcher's ``--master_addr`` and ``--master_port``) is taken in, receives the state with ``ddp.broadcast_state`` and trains with them to the end.
 
     python -m commlib.launch --nproc_per_node 4 --on-failure replace --spares 1 examples/train_through_failure.py
 

@@ -70,9 +70,9 @@ ROWS: dict[str, dict[str, int | range]] = {
     # "all_reduce           1 MiB      660.2    10428.4        0.063x", "commlib ddp  9.9  0.707x of torch DDP (gloo)"
     "torch_backend.py": {rf"{op} +{size} +{NUM} +{NUM} +{NUM}x": 1 for op in TORCH_OPS for size in ("8 B", "1 MiB")}
     | {rf"{name} +{NUM} +{NUM}x of torch DDP \(gloo\)": 1 for name in TORCH_DDP},
-    # "     3      0.215      0.262       0.301  1/1" (detection, agreement, first good call);
+    # " commlib      3      0.215      0.262       0.301  1/1" (api, ranks; detection, agreement, first good call);
     # "commlib shrink + warm spare, killed   41.20    1.93    0.2485  yes" (wall, lost, loss, same weights)
-    "recovery.py": {rf" +3 +{NUM} +{NUM} +{NUM}  1/1": 1}
+    "recovery.py": {rf" +{api} +3 +{NUM} +{NUM} +{NUM}  1/1": 1 for api in ("commlib", "torch")}
     | {rf"commlib shrink \+ warm spare, {run} +{NUM} +(-|{NUM}) +{NUM}  yes": 1 for run in ("uninterrupted", "killed")}
     | {rf"# commlib shrink \+ warm spare: final loss killed/uninterrupted = {NUM}x; walls u {NUM}, k {NUM}": 1}
     | {rf"# commlib shrink \+ warm spare: training loop {NUM} s uninterrupted, {NUM} s killed: -?{NUM} s lost": 1},
@@ -84,7 +84,15 @@ ROWS: dict[str, dict[str, int | range]] = {
     | {rf"{plan} +{NUM} .*": SOME for plan in GV_PLANS}
     | {"budget .*": len(GV_MODELS), "# targets: .*": len(GV_MODELS)},
 }
-TORCH = {"allreduce_vs_mpi4py.py", "compare.py", "ddp_step.py", "torch_backend.py", "gv_train.py", "gv_auto.py"}
+TORCH = {
+    "allreduce_vs_mpi4py.py",
+    "compare.py",
+    "ddp_step.py",
+    "torch_backend.py",
+    "gv_train.py",
+    "gv_auto.py",
+    "recovery.py",
+}
 JSON = {"allreduce_vs_mpi4py.py", "collectives_vs_mpi4py.py", "compare.py", "ddp_step.py"}  # take --json FILE
 
 

@@ -451,3 +451,45 @@ def test_commlib_workers_meet_through_the_launcher_s_store(nodes: int, per_node:
     lines = sorted(line for out, _ in outs for line in out.splitlines())
     assert lines == sorted(f"[{r}] rank {r} of {n}: {[total] * 3}" for r in range(n)), outs
     assert _left_behind(str(script)) == []
+
+
+TORCH_COLLECTIVES = """
+import os
+import torch, torch.distributed as tdist
+tdist.init_process_group(backend="commlib")
+n, me = tdist.get_world_size(), tdist.get_rank()
+x = torch.full((3,), me + 1.0)
+for _ in range(3):
+    tdist.all_reduce(x)
+print(f"rank {me} of {n}: {x.tolist()} MASTER_PORT {os.environ['MASTER_PORT']}", flush=True)
+tdist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(("mode", "nodes"), [("continue", 1), ("continue", 2), ("abort", 2)])
+def test_torch_s_init_beside_the_launcher_s_store(mode: str, nodes: int, tmp_path: Path) -> None:
+    """torch's init_process_group(backend="commlib") serves torch's own store from rank 0 at MASTER_PORT: where
+    the launcher serves the job's store (plain workers, several nodes), the workers' MASTER_PORT is another port
+    (before: rank 0 failed with EADDRINUSE on the launcher's port)."""
+    pytest.importorskip("torch")
+    script = tmp_path / "torch_collectives.py"
+    script.write_text(TORCH_COLLECTIVES)
+    port, per_node = free_port(), 2
+    n = nodes * per_node
+    launchers = [
+        _Launcher(
+            [sys.executable, "-m", "commlib.launch", "--on-failure", mode, "--nnodes", str(nodes), "--node_rank",
+             str(node), "--nproc_per_node", str(per_node), "--master_port", str(port), str(script)],
+            COMMLIB_STORE_TOKEN="shared",
+        )
+        for node in range(nodes)
+    ]  # fmt: skip
+    outs = [launcher.finish(timeout=180) for launcher in launchers]
+    for launcher, (_, err) in zip(launchers, outs, strict=True):
+        assert launcher.proc.returncode == 0, err[-3000:]
+    total = float(sum(range(1, n + 1)) * n**2)
+    lines = [line for out, _ in outs for line in out.splitlines() if " MASTER_PORT " in line]
+    said = sorted(line.split("] ", 1)[1].split(" MASTER_PORT ")[0] for line in lines)  # hydra's prefix: local
+    assert said == sorted(f"rank {r} of {n}: {[total] * 3}" for r in range(n)), outs
+    ports = {int(line.split(" MASTER_PORT ")[1]) for line in lines}
+    assert len(ports) == 1 and port not in ports, ports  # one port for every node, not the launcher's

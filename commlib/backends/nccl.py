@@ -28,7 +28,6 @@ from commlib.arrays import address, bfloat16, device_array, host_array, to_host
 from commlib.backends._call import Call, describe
 from commlib.backends._cuda import emulated, load, nccl_unavailable_reason, unavailable
 from commlib.backends._digests import Digests, difference
-_RECENT = Digests.RECENT  # calls noted before a fold (see start)
 from commlib.backends.base import (
     AllOf,
     Backend,
@@ -43,6 +42,8 @@ from commlib.backends.base import (
 from commlib.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 __all__ = ["NcclBackend", "check_reduction", "load", "nccl_unavailable_reason", "unavailable", "unique_id", "world"]
+
+_RECENT = Digests.RECENT  # calls noted before a fold (see start)
 
 _TYPE_NAMES = {
     np.dtype(np.int8): "NCCL_INT8",

@@ -16,7 +16,8 @@ the rank over (the same command and environment plus ``COMMLIB_JOIN=1`` and
 ``COMMLIB_REPLACES=<rank>``: it joins the running job instead of starting one), at most
 ``--max_replacements`` times per rank. With continue and replace the workers are plain
 processes (hydra would stop them all a moment after one dies) that meet through the
-rendezvous store the launcher serves at MASTER_ADDR:MASTER_PORT.
+rendezvous store the launcher serves at --master_addr:--master_port (``COMMLIB_STORE_SERVED``); their
+MASTER_PORT is then another, free port, for torch's ``init_process_group`` to serve its own store at.
 
 The package: ``_cli`` (flags, the mpiexec command line, one attempt of the job), ``_supervise``
 (a job under mpiexec: which rank failed first), ``_workers`` (plain workers: continue, replace),
@@ -25,7 +26,8 @@ processes).
 
 Several nodes: run the launcher on each with ``--nnodes N --node_rank i
 --master_addr <node 0's address> --master_port P``; node 0's launcher serves a
-rendezvous store there and the nodes' ranks join into one job. Set the same
+rendezvous store there and the nodes' ranks join into one job (their MASTER_PORT is P + 1, for torch's
+store). Set the same
 ``COMMLIB_STORE_TOKEN`` on every node to make the store refuse strangers.
 """
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from commlib._settings import value as setting
+from commlib._sockets import free_port
 from commlib.launch._mpiexec import die_with_parent, find_mpiexec
 from commlib.launch._supervise import supervise
 
@@ -170,6 +171,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("-m/--module and --no_python cannot be combined")
     if not (args.module or args.no_python or os.path.exists(args.training_script)):
         p.error(f"{args.training_script}: no such file or folder (a module runs with -m, a program with --no_python)")
+    args.worker_port = args.master_port
     return args
 
 
@@ -214,7 +216,7 @@ def rank_variables(args: argparse.Namespace, local_rank: int) -> dict[str, str]:
         "GROUP_RANK": node,
         "NNODES": args.nnodes,
         "MASTER_ADDR": args.master_addr,
-        "MASTER_PORT": args.master_port,
+        "MASTER_PORT": args.worker_port,  # --master_port, unless this launcher's store takes it (_serve_store)
     }
     return {name: str(value) for name, value in place.items()}
 
@@ -365,8 +367,13 @@ def _serve_store(args: argparse.Namespace, env: dict[str, str]) -> TCPStore | No
     replace: the store outlives any worker, so rank 0 connects to it rather than serving it)."""
     plain = args.on_failure != "abort"
     token = setting("COMMLIB_STORE_TOKEN") or None
+    if plain or args.nnodes > 1:
+        # commlib's workers find the job's store here; torch's init_process_group (backend="commlib") serves its
+        # own rendezvous store from rank 0 at MASTER_PORT, so the workers' MASTER_PORT is another port: the next
+        # one across nodes (every node must give the same), a free one on one node
+        env["COMMLIB_STORE_SERVED"] = f"{args.master_addr}:{args.master_port}"
+        args.worker_port = args.master_port + 1 if args.nnodes > 1 else free_port()
     if plain:
-        env["COMMLIB_STORE_SERVED"] = "1"
         # after a peer's death MPI keeps the survivors' old communicator (its requests to the dead never end):
         # UCX lists them at exit as warnings ("was not returned to mpool"), which say nothing to a user
         env.setdefault("UCX_LOG_LEVEL", "error")

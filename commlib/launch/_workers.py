@@ -2,8 +2,9 @@
 
 Under mpiexec, hydra stops every rank a moment after one dies. Here the launcher starts each worker itself and
 is its parent. The workers form their job through the rendezvous store the launcher of node 0 serves at
-MASTER_ADDR:MASTER_PORT (``COMMLIB_STORE_SERVED=1``: rank 0 connects to it rather than serving it; each worker
-is its own MPI world until commlib joins them, as under torchrun), so the store outlives any worker. What
+--master_addr:--master_port (``COMMLIB_STORE_SERVED=host:port``: rank 0 connects to it rather than serving it;
+each worker is its own MPI world until commlib joins them, as under torchrun; MASTER_PORT is another port, for
+torch's own store), so the store outlives any worker. What
 mpiexec gave is kept: output lines prefixed with the rank (``[2] ``, as hydra's ``-prepend-rank``) or per-rank
 files under ``--logdir``; Ctrl-C or SIGTERM stops every worker; a worker dies with the launcher
 (PR_SET_PDEATHSIG), and whatever it started in its session dies with it; 128 + N for a death by signal N.
