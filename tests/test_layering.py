@@ -48,7 +48,7 @@ ALLOWED = {
     "backends": {"_ops", "arrays", "errors", "_sockets", "_environment", "_settings"},
     "store": {"_timeouts", "errors", "_sockets"},
     "_diagnostics": {"arrays", "errors", "store", "backends", "_settings"},
-    "launch": {"store", "_diagnostics", "backends", "_settings"},
+    "launch": {"store", "_diagnostics", "backends", "_settings", "_sockets"},  # _sockets: a free port
     "testing": {"launch", "_settings"},
     **{
         name: {
