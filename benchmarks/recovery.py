@@ -189,7 +189,7 @@ def train(launcher: str, steps: int, kill_at: int, admit_from: int, ranks: int =
         if launcher in ("commlib", "spare"):
             cmd = [sys.executable, "-m", "commlib.launch", "--nproc_per_node", str(ranks), "--on-failure", "replace"]
             cmd += ["--spares", "1"] if launcher == "spare" else []
-            cmd += ["--master_port", str(_port()), str(EXAMPLE), *args, "--wait-for-replacement"]
+            cmd += ["--master_port", str(_port()), str(EXAMPLE), *args]  # it waits for a replacement at admit_from
         else:
             torchrun = shutil.which("torchrun")
             if torchrun is None:

@@ -80,6 +80,12 @@ def _text(text: str) -> str:
     return text
 
 
+def _on_failure(text: str) -> str:
+    if text not in ("", "abort", "continue", "replace"):
+        raise ValueError("must be abort, continue or replace")
+    return text
+
+
 def _served(text: str) -> str:
     """ "" (not served), "1" (served at MASTER_ADDR:MASTER_PORT) or the "host:port" it is served at."""
     if text in ("0", "1"):
@@ -177,7 +183,8 @@ TABLE: tuple[Setting, ...] = (
         "COMMLIB_ABORT_ON_EXCEPTION",
         "1",
         _flag,
-        "0: an uncaught exception on one rank leaves the others to their timeout instead of ending the job",
+        "0: an uncaught exception on one rank does not end the job: that rank exits (its program's end tells the "
+        "others, whose calls with it then fail naming it) and the others are not stopped",
     ),
     Setting(
         "COMMLIB_EXIT_GC", "0", _flag, "1: keep the interpreter's last garbage collection at exit (slow with torch)"
@@ -204,7 +211,11 @@ TABLE: tuple[Setting, ...] = (
         "report an error)",
     ),
     Setting(
-        "COMMLIB_DDP_TRACE", "", _text, "a file for ddp's Chrome-trace timeline of backward and bucket all-reduces"
+        "COMMLIB_DDP_TRACE",
+        "",
+        _text,
+        "a file name for ddp's Chrome-trace timeline of backward and bucket all-reduces (each rank writes its own: "
+        "trace.json -> trace.rank0.json, ...)",
     ),
     Setting(
         "GLOBALVIEW_POOL_MB",
@@ -242,6 +253,14 @@ TABLE: tuple[Setting, ...] = (
         "host:port (or 1: MASTER_ADDR:MASTER_PORT): the job's rendezvous store is served there already (by "
         "commlib.launch, so that it outlives any rank): rank 0 connects to it instead of serving it, and "
         "MASTER_PORT is left to torch's init_process_group",
+        plumbing=True,
+    ),
+    Setting(
+        "COMMLIB_ON_FAILURE",
+        "",
+        _on_failure,
+        "what commlib.launch does when a worker fails (its --on-failure: abort, continue or replace), for the "
+        "workers to read (a loop that takes newcomers in waits for the replacements only under replace)",
         plumbing=True,
     ),
     Setting(

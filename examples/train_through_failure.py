@@ -10,7 +10,10 @@ samples whatever the number of ranks) is shared by one rank fewer. From step
 ``--admit-from`` on, while they are fewer than at the start, they call ``commlib.grow_group()`` before each
 step: a process started with ``COMMLIB_JOIN=1`` (``--on-failure replace`` starts one at the failure;
 ``--spares 1`` starts one with the job, warm and waiting; so can you, by hand, with MASTER_ADDR and
-MASTER_PORT set to the job's store: the launcher's ``--master_addr`` and ``--master_port``) is taken in, receives the state with ``ddp.broadcast_state`` and trains with them to the end.
+MASTER_PORT set to the job's store: the launcher's ``--master_addr`` and ``--master_port``) is taken in,
+receives the state with ``ddp.broadcast_state`` and trains with them to the end. Under ``--on-failure
+replace`` (``commlib.setting("COMMLIB_ON_FAILURE")``) the first ``grow_group`` waits for the replacements,
+which may still be starting (``--wait-for-replacement`` asks for that wait elsewhere).
 
     python -m commlib.launch --nproc_per_node 4 --on-failure replace --spares 1 examples/train_through_failure.py
 
@@ -106,8 +109,9 @@ def main() -> None:
     p.add_argument(
         "--wait-for-replacement",
         action="store_true",
-        help="at the end, wait for the processes that replace the dead (commlib.launch --on-failure replace) if "
-        "they have not joined yet, so that they end with the same weights",
+        help="at --admit-from, wait for processes that replace the dead (up to 120 s) before taking them in; the "
+        "default under commlib.launch --on-failure replace (its replacement may still be starting), else only "
+        "those already waiting are taken in",
     )
     p.add_argument("--recover", choices=("shrink", "restart"), default="shrink")
     p.add_argument("--snapshot", type=Path, default=None, help="--recover restart: the snapshot file")
@@ -133,12 +137,16 @@ def main() -> None:
     if joined:  # a newcomer: the members took it in (grow_group) and now send their state
         step = ddp.broadcast_state(model, optimizer, extra=step)
         events.append({"what": "joined", "step": step, "t": time.monotonic() - start})
+    # a replacement is coming when the launcher replaces the dead: wait for it once, at --admit-from
+    wait = args.wait_for_replacement or commlib.setting("COMMLIB_ON_FAILURE") == "replace"
     loop = time.monotonic()
     while step < args.steps:
         try:
             if args.recover == "shrink" and step >= args.admit_from and commlib.get_world_size() < size:
-                before = commlib.group.WORLD
-                if commlib.grow_group(at_most=size - commlib.get_world_size()) is not before:
+                before, missing = commlib.group.WORLD, size - commlib.get_world_size()
+                waiting = missing if wait else 0
+                wait = False  # once: a replacement that never comes (--max_replacements) is not waited for again
+                if commlib.grow_group(wait_for=waiting, at_most=missing, timeout=120) is not before:
                     step = ddp.broadcast_state(model, optimizer, extra=step)
                     events.append({"what": "grew", "size": commlib.get_world_size(), "step": step})
             if first_life and not events and step == args.kill_at and commlib.get_rank() == args.kill_rank:
@@ -161,12 +169,6 @@ def main() -> None:
             seconds = round(time.monotonic() - noticed, 3)
             now = commlib.get_world_size()
             events.append({"what": "shrank", "failed": e.failed_ranks, "size": now, "step": step, "seconds": seconds})
-    missing = size - commlib.get_world_size()
-    if args.recover == "shrink" and args.wait_for_replacement and missing > 0:
-        commlib.grow_group(wait_for=missing, at_most=missing, timeout=120)  # the replacements may still be starting
-        if commlib.get_world_size() > size - missing:
-            ddp.broadcast_state(model, optimizer, extra=step)
-            events.append({"what": "grew at the end", "size": commlib.get_world_size(), "step": step})
     result = {
         "rank": commlib.get_rank(), "world_size": commlib.get_world_size(), "loss": validation_loss(net, args.seed),
         "checksum": checksum(net), "seconds": round(time.monotonic() - start, 3), "events": events,

@@ -141,6 +141,29 @@ def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path: Path) -> None:
     assert "commlib: uncaught ValueError on rank 1: aborting the job" in proc.stdout + proc.stderr
 
 
+def test_without_the_abort_the_others_are_told_by_the_failing_rank_s_exit(tmp_path: Path) -> None:
+    """COMMLIB_ABORT_ON_EXCEPTION=0: rank 1 raises and exits, not aborting the job; the others, waiting in an
+    all_reduce with it (30-minute timeout), get an error naming rank 1 from its program's end, at once."""
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "import numpy as np, commlib as dist\ndist.init_process_group()\nif dist.get_rank() == 1:\n"
+        "    raise ValueError('boom')\ntry:\n    dist.all_reduce(np.ones(3))\nexcept dist.CommError as e:\n"
+        "    print(f'rank {dist.get_rank()} {type(e).__name__}: {e}', flush=True)\n"
+    )
+    start = time.monotonic()
+    proc = _run(
+        [sys.executable, "-m", "commlib.launch", "--nproc_per_node", "3", str(script)],
+        env={"COMMLIB_TIMEOUT": "1800", "COMMLIB_ABORT_ON_EXCEPTION": "0"},
+        timeout=120,
+    )
+    assert time.monotonic() - start < 60, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "ValueError: boom" in out and "aborting the job" not in out, out[-3000:]
+    for rank in (0, 2):
+        line = next((x for x in proc.stdout.splitlines() if f"rank {rank} " in x and "Error" in x), "")
+        assert "rank 1" in line.split(": ", 1)[-1], out[-3000:]
+
+
 def test_launcher_rejects_bad_flags() -> None:
     proc = _run([sys.executable, "-m", "commlib.launch", "--nproc_per_node", "0", "x.py"])
     assert proc.returncode == 2 and "must be a positive int, got 0" in proc.stderr
@@ -301,3 +324,21 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     while _job_processes(str(script)):
         assert time.monotonic() < deadline, "workers outlived the launcher's Ctrl-C"
         time.sleep(0.05)
+
+
+def test_train_through_failure_as_its_docstring_runs_it() -> None:
+    """examples/train_through_failure.py's first command, as written: rank 2 dies at step 50, the launcher starts
+    a replacement, the survivors wait for it at step 100 (before: they took in only those already waiting, ended
+    before it had started, and the job failed); every rank ends with the same weights, the replacement among
+    them."""
+    pytest.importorskip("torch")
+    example = ROOT / "examples" / "train_through_failure.py"
+    command = example.read_text().split("\n\n")[1].strip()
+    assert command == f"python -m commlib.launch --nproc_per_node 4 --on-failure replace {example.relative_to(ROOT)}"
+    proc = _run([sys.executable, *command.split()[1:]], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert len(results) == 4, proc.stdout[-3000:]
+    assert len({re.search(r'"checksum": "(\w+)"', r).group(1) for r in results}) == 1, results
+    assert sum('"what": "joined", "step": 100' in r for r in results) == 1, results
+    assert sum('"what": "grew", "size": 4, "step": 100' in r for r in results) == 3, results

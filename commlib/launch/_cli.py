@@ -244,6 +244,7 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         env = dict(os.environ, COMMLIB_LAUNCH_STATUS=status)
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
+        env["COMMLIB_ON_FAILURE"] = args.on_failure  # for the workers (commlib.setting): is a replacement coming?
         store = _serve_store(args, env)  # node 0 of several, or plain workers: the launcher serves the job's store
         monitor, flight = _monitor_env(args, env)
         try:
