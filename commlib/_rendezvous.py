@@ -178,7 +178,7 @@ def rendezvous_store(init_method: str, info: LaunchInfo, timeout: float, serve: 
         if not host or not port.isdigit():
             raise ValueError(f"init_process_group: init_method must look like tcp://host:port, got {init_method!r}")
         address = (host.strip("[]"), int(port))
-    elif (served := setting("COMMLIB_STORE_SERVED")) not in ("", "1"):  # commlib.launch's, beside MASTER_PORT
+    elif served := setting("COMMLIB_STORE_SERVED"):  # commlib.launch's, beside MASTER_PORT
         host, _, port = served.rpartition(":")
         address, serve = (host.strip("[]"), int(port)), False
     elif info.master_addr and info.master_port:

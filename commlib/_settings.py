@@ -87,12 +87,12 @@ def _on_failure(text: str) -> str:
 
 
 def _served(text: str) -> str:
-    """ "" (not served), "1" (served at MASTER_ADDR:MASTER_PORT) or the "host:port" it is served at."""
-    if text in ("0", "1"):
-        return "" if text == "0" else text
+    """ "" (not served: "0") or the "host:port" the job's store is served at."""
+    if text == "0":
+        return ""
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("must be 0, 1 or host:port")
+        raise ValueError("must be 0 or host:port")
     return text
 
 
@@ -250,9 +250,9 @@ TABLE: tuple[Setting, ...] = (
         "COMMLIB_STORE_SERVED",
         "0",
         _served,
-        "host:port (or 1: MASTER_ADDR:MASTER_PORT): the job's rendezvous store is served there already (by "
-        "commlib.launch, so that it outlives any rank): rank 0 connects to it instead of serving it, and "
-        "MASTER_PORT is left to torch's init_process_group",
+        "host:port: the job's rendezvous store is served there already (by commlib.launch, so that it outlives "
+        "any rank): rank 0 connects to it instead of serving it, and MASTER_PORT is left to torch's "
+        "init_process_group",
         plumbing=True,
     ),
     Setting(

@@ -113,7 +113,7 @@ def run(
         base |= {
             "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COMMLIB_FLIGHT_DIR": tmp,
-            "COMMLIB_STORE_SERVED": "1" if store == "driver" else "0", **(env or {}),
+            "COMMLIB_STORE_SERVED": f"127.0.0.1:{port}" if store == "driver" else "0", **(env or {}),
         }  # fmt: skip
         processes: list[Process] = []
         lock = threading.Condition()

@@ -429,24 +429,31 @@ dist.destroy_process_group()
 """
 
 
+def _nodes(script: Path, mode: str, nodes: int, per_node: int, port: int, timeout: float) -> list[tuple[str, str]]:
+    """Run ``script`` on ``nodes`` launchers on this host (one job, --on-failure ``mode``); each launcher's
+    stdout and stderr, once every one exited 0."""
+    launchers = [
+        _Launcher(
+            [sys.executable, "-m", "commlib.launch", "--on-failure", mode, "--nnodes", str(nodes), "--node_rank",
+             str(node), "--nproc_per_node", str(per_node), "--master_port", str(port), str(script)],
+            COMMLIB_STORE_TOKEN="shared",
+        )
+        for node in range(nodes)
+    ]  # fmt: skip
+    outs = [launcher.finish(timeout=timeout) for launcher in launchers]
+    for launcher, (_, err) in zip(launchers, outs, strict=True):
+        assert launcher.proc.returncode == 0, err[-3000:]
+    return outs
+
+
 @pytest.mark.parametrize(("nodes", "per_node"), [(1, 2), (1, 4), (2, 2)])
 def test_commlib_workers_meet_through_the_launcher_s_store(nodes: int, per_node: int, tmp_path: Path) -> None:
     """Plain workers running commlib's collectives: each is its own MPI world until commlib joins them through
     the store the launcher (of node 0) serves; with two launchers on one host, each supervises its own."""
     script = tmp_path / "collectives.py"
     script.write_text(COLLECTIVES)
-    port, n = free_port(), nodes * per_node
-    launchers = [
-        _Launcher(
-            [sys.executable, "-m", "commlib.launch", "--on-failure", "continue", "--nnodes", str(nodes),
-             "--node_rank", str(node), "--nproc_per_node", str(per_node), "--master_port", str(port), str(script)],
-            COMMLIB_STORE_TOKEN="shared",
-        )
-        for node in range(nodes)
-    ]  # fmt: skip
-    outs = [launcher.finish(timeout=120) for launcher in launchers]
-    for launcher, (_, err) in zip(launchers, outs, strict=True):
-        assert launcher.proc.returncode == 0, err[-3000:]
+    n = nodes * per_node
+    outs = _nodes(script, "continue", nodes, per_node, free_port(), timeout=120)
     total = float(sum(range(1, n + 1)) * n**2)  # three all_reduces of rank + 1
     lines = sorted(line for out, _ in outs for line in out.splitlines())
     assert lines == sorted(f"[{r}] rank {r} of {n}: {[total] * 3}" for r in range(n)), outs
@@ -476,17 +483,7 @@ def test_torch_s_init_beside_the_launcher_s_store(mode: str, nodes: int, tmp_pat
     script.write_text(TORCH_COLLECTIVES)
     port, per_node = free_port(), 2
     n = nodes * per_node
-    launchers = [
-        _Launcher(
-            [sys.executable, "-m", "commlib.launch", "--on-failure", mode, "--nnodes", str(nodes), "--node_rank",
-             str(node), "--nproc_per_node", str(per_node), "--master_port", str(port), str(script)],
-            COMMLIB_STORE_TOKEN="shared",
-        )
-        for node in range(nodes)
-    ]  # fmt: skip
-    outs = [launcher.finish(timeout=180) for launcher in launchers]
-    for launcher, (_, err) in zip(launchers, outs, strict=True):
-        assert launcher.proc.returncode == 0, err[-3000:]
+    outs = _nodes(script, mode, nodes, per_node, port, timeout=180)
     total = float(sum(range(1, n + 1)) * n**2)
     lines = [line for out, _ in outs for line in out.splitlines() if " MASTER_PORT " in line]
     said = sorted(line.split("] ", 1)[1].split(" MASTER_PORT ")[0] for line in lines)  # hydra's prefix: local

@@ -216,7 +216,7 @@ def rank_variables(args: argparse.Namespace, local_rank: int) -> dict[str, str]:
         "GROUP_RANK": node,
         "NNODES": args.nnodes,
         "MASTER_ADDR": args.master_addr,
-        "MASTER_PORT": args.worker_port,  # --master_port, unless this launcher's store takes it (_serve_store)
+        "MASTER_PORT": args.worker_port,  # --master_port, unless this launcher's store takes it (_worker_port)
     }
     return {name: str(value) for name, value in place.items()}
 
@@ -245,6 +245,7 @@ def _attempt(args: argparse.Namespace, stopped: list[int]) -> int:
         if not env.get("OMP_NUM_THREADS"):
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers must not each start N-core thread pools
         env["COMMLIB_ON_FAILURE"] = args.on_failure  # for the workers (commlib.setting): is a replacement coming?
+        args.worker_port = _worker_port(args)
         store = _serve_store(args, env)  # node 0 of several, or plain workers: the launcher serves the job's store
         monitor, flight = _monitor_env(args, env)
         try:
@@ -362,18 +363,28 @@ def _print_flight_summary(folder: Path, args: argparse.Namespace, since_ns: int)
     print(f"commlib.launch: flight recorder ({folder}):\n" + "\n".join(lines), file=sys.stderr, flush=True)
 
 
+def _serves_a_store(args: argparse.Namespace) -> bool:
+    """Whether node 0's launcher serves the job's store at --master_port: several nodes, or plain workers."""
+    return args.on_failure != "abort" or args.nnodes > 1
+
+
+def _worker_port(args: argparse.Namespace) -> int:
+    """The workers' MASTER_PORT: --master_port, unless the launcher's store takes it; then another port, for
+    torch's init_process_group (backend="commlib") to serve its own store at from rank 0: the next one across
+    nodes (every node must give the same), a free one on one node."""
+    if not _serves_a_store(args):
+        return args.master_port
+    return args.master_port + 1 if args.nnodes > 1 else free_port()
+
+
 def _serve_store(args: argparse.Namespace, env: dict[str, str]) -> TCPStore | None:
     """Serve the job's rendezvous store at --master_addr:--master_port where this launcher is the one to: on node 0
     of a multi-node job (the nodes meet through it), and on node 0 of plain workers (--on-failure continue or
     replace: the store outlives any worker, so rank 0 connects to it rather than serving it)."""
     plain = args.on_failure != "abort"
     token = setting("COMMLIB_STORE_TOKEN") or None
-    if plain or args.nnodes > 1:
-        # commlib's workers find the job's store here; torch's init_process_group (backend="commlib") serves its
-        # own rendezvous store from rank 0 at MASTER_PORT, so the workers' MASTER_PORT is another port: the next
-        # one across nodes (every node must give the same), a free one on one node
+    if _serves_a_store(args):  # commlib's workers find the job's store here (their MASTER_PORT: _worker_port)
         env["COMMLIB_STORE_SERVED"] = f"{args.master_addr}:{args.master_port}"
-        args.worker_port = args.master_port + 1 if args.nnodes > 1 else free_port()
     if plain:
         # after a peer's death MPI keeps the survivors' old communicator (its requests to the dead never end):
         # UCX lists them at exit as warnings ("was not returned to mpool"), which say nothing to a user
@@ -382,7 +393,7 @@ def _serve_store(args: argparse.Namespace, env: dict[str, str]) -> TCPStore | No
             import secrets
 
             token = env["COMMLIB_STORE_TOKEN"] = secrets.token_hex(16)  # the job's own: strangers are refused
-    if args.node_rank != 0 or not (plain or args.nnodes > 1):
+    if args.node_rank != 0 or not _serves_a_store(args):
         return None
     from commlib.store import TCPStore
 
