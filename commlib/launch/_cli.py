@@ -371,10 +371,12 @@ def _serves_a_store(args: argparse.Namespace) -> bool:
 def _worker_port(args: argparse.Namespace) -> int:
     """The workers' MASTER_PORT: --master_port, unless the launcher's store takes it; then another port, for
     torch's init_process_group (backend="commlib") to serve its own store at from rank 0: the next one across
-    nodes (every node must give the same), a free one on one node."""
+    nodes (every node must give the same; the one before for 65535), a free one on one node."""
     if not _serves_a_store(args):
         return args.master_port
-    return args.master_port + 1 if args.nnodes > 1 else free_port()
+    if args.nnodes == 1:
+        return free_port()
+    return args.master_port + 1 if args.master_port < 65535 else args.master_port - 1
 
 
 def _serve_store(args: argparse.Namespace, env: dict[str, str]) -> TCPStore | None:
