@@ -69,7 +69,9 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", type=_bytes, default=[8, 1 << 20, 16 << 20])
     p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
-    p.add_argument("--repeats", type=int, default=21, help="rounds per method and size (median reported)")
+    # 41: a 16 MiB row has 5-8 calls a round; over 21 rounds its median moved 5-10% from run to run on a shared
+    # machine (every 16 MiB collective missed 1.05x in some run, none in most); over 41 it keeps within ~1%
+    p.add_argument("--repeats", type=int, default=41, help="rounds per method and size (median reported)")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument(
         "--smoke",
